@@ -1,0 +1,54 @@
+/* Per-row softmax work of the attention kernels (mha_cy/_attention_kernel.pyx).
+ *
+ * The Cython kernel computes a tile of scores S = scale * Q K^T with BLAS; these functions then
+ * treat one query row of that tile: apply the masks, turn scores into probabilities, and keep
+ * the running statistics of the online ("flash") softmax. They are plain C so that gcc can
+ * vectorize them, and are compiled for several SIMD levels (picked at run time, see
+ * MHA_SIMD_CLONES) because wheels must run on any x86-64 CPU.
+ *
+ * Mask arguments, shared by all functions (row = one query, columns = the n keys of the tile):
+ *   add, add_stride  additive mask of the row (NULL: none); key j adds add[j * add_stride]
+ *   pad              key padding flags of the tile's keys (NULL: none); nonzero = ignore key j
+ *   n_valid          keys j >= n_valid are masked (the causal limit; n when not causal)
+ * A masked key gets probability exactly 0. A row whose keys are all masked gives zeros. */
+#ifndef MHA_ATTENTION_TILE_H
+#define MHA_ATTENTION_TILE_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Online-softmax update of one row against one key tile.
+ * s[0:n] (in) scaled scores, (out) p_j = exp(s_j - m_new), 0 where masked.
+ * *m, *l  the row's running max and running sum of exp(s - m) over the keys seen so far;
+ *         start them at -inf and 0.
+ * acc[0:dv] the row's output accumulator (sum of p_j v_j), rescaled here by exp(m_old - m_new)
+ *         so that the caller can add this tile's P V to it. */
+void mha_online_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride,
+                                const unsigned char *pad, int n_valid,
+                                float *m, float *l, float *acc, int dv);
+void mha_online_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
+                                const unsigned char *pad, int n_valid,
+                                double *m, double *l, double *acc, int dv);
+
+/* Exact softmax of one whole row in place: s[0:n] becomes the attention weights. */
+void mha_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride,
+                         const unsigned char *pad, int n_valid);
+void mha_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
+                         const unsigned char *pad, int n_valid);
+
+/* out[0:dv] = acc / l, or zeros when l == 0 (every key of the row was masked). */
+void mha_finish_row_f32(const float *acc, float l, float *out, int dv);
+void mha_finish_row_f64(const double *acc, double l, double *out, int dv);
+
+/* The SIMD level the functions above run at on this CPU: "x86-64-v4" (AVX-512),
+ * "x86-64-v3" (AVX2 + FMA) or "baseline". */
+const char *mha_tile_simd_level(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

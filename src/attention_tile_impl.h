@@ -1,0 +1,117 @@
+/* Body of attention_tile.c for one floating type: included once with REAL = float and once with
+ * REAL = double (the C equivalent of a Cython fused type). Defines need REAL, SUFFIX, EXP. */
+
+#define MHA_CAT_(a, b) a##b
+#define MHA_CAT(a, b) MHA_CAT_(a, b)
+#define FN(name) MHA_CAT(name, SUFFIX)
+
+/* Reductions (max, sum) keep LANES partial results so that their loops vectorize without
+ * -ffast-math, which would let the compiler reorder one running result. */
+#define LANES 16
+
+/* Pass 1 of every row: add the mask, mark masked keys with -inf; return the row max. */
+static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
+                                     const unsigned char *pad, int n_valid)
+{
+    if (n_valid < n)
+        for (int j = (n_valid > 0 ? n_valid : 0); j < n; j++)
+            s[j] = -INFINITY;
+    if (add != NULL) {
+        if (add_stride == 1)
+            for (int j = 0; j < n; j++)
+                s[j] += add[j];
+        else
+            for (int j = 0; j < n; j++)
+                s[j] += add[j * add_stride];
+    }
+    if (pad != NULL)
+        for (int j = 0; j < n; j++)
+            s[j] = pad[j] ? -INFINITY : s[j];
+    REAL part[LANES];
+    for (int u = 0; u < LANES; u++)
+        part[u] = -INFINITY;
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int u = 0; u < LANES; u++)
+            part[u] = s[j + u] > part[u] ? s[j + u] : part[u];
+    REAL mx = -INFINITY;
+    for (; j < n; j++)
+        mx = s[j] > mx ? s[j] : mx;
+    for (int u = 0; u < LANES; u++)
+        mx = part[u] > mx ? part[u] : mx;
+    return mx;
+}
+
+/* Pass 2: s_j <- exp(s_j - mx) (0 for -inf); return the sum. */
+static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
+{
+    REAL part[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int u = 0; u < LANES; u++) {
+            REAL p = EXP(s[j + u] - mx);
+            s[j + u] = p;
+            part[u] += p;
+        }
+    REAL sum = 0;
+    for (; j < n; j++) {
+        s[j] = EXP(s[j] - mx);
+        sum += s[j];
+    }
+    for (int u = 0; u < LANES; u++)
+        sum += part[u];
+    return sum;
+}
+
+MHA_SIMD_CLONES
+void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
+                                 const unsigned char *pad, int n_valid,
+                                 REAL *m, REAL *l, REAL *acc, int dv)
+{
+    REAL tile_max = FN(mask_and_max_)(s, n, add, add_stride, pad, n_valid);
+    REAL m_old = *m;
+    REAL m_new = tile_max > m_old ? tile_max : m_old;
+    if (m_new == -INFINITY) {           /* nothing visible yet: keep m = -inf, l = 0, acc = 0 */
+        for (int j = 0; j < n; j++)
+            s[j] = 0;
+        return;
+    }
+    REAL sum = FN(exp_and_sum_)(s, n, m_new);
+    if (m_new != m_old) {
+        REAL alpha = EXP(m_old - m_new);  /* 0 on the first visible tile (m_old = -inf) */
+        for (int d = 0; d < dv; d++)
+            acc[d] *= alpha;
+        *l = *l * alpha + sum;
+    } else {
+        *l += sum;
+    }
+    *m = m_new;
+}
+
+MHA_SIMD_CLONES
+void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
+                          const unsigned char *pad, int n_valid)
+{
+    REAL mx = FN(mask_and_max_)(s, n, add, add_stride, pad, n_valid);
+    if (mx == -INFINITY) {               /* all keys masked: weights of zeros, not NaN */
+        for (int j = 0; j < n; j++)
+            s[j] = 0;
+        return;
+    }
+    REAL inv = 1 / FN(exp_and_sum_)(s, n, mx);
+    for (int j = 0; j < n; j++)
+        s[j] *= inv;
+}
+
+MHA_SIMD_CLONES
+void FN(mha_finish_row_)(const REAL *acc, REAL l, REAL *out, int dv)
+{
+    REAL inv = l > 0 ? 1 / l : 0;
+    for (int d = 0; d < dv; d++)
+        out[d] = acc[d] * inv;
+}
+
+#undef LANES
+#undef FN
+#undef MHA_CAT
+#undef MHA_CAT_
