@@ -1,0 +1,320 @@
+"""Fused scaled dot-product attention over all (batch, head) pairs, nogil and OpenMP-parallel.
+
+For each head: out = softmax(scale * Q K^T + mask) V, with Q (Lq, D), K (Lk, D), V (Lk, Dv).
+Operands are strided 4-D views (B, H, L, D) whose last axis is contiguous, so the heads of one
+fused QKV projection (B*L, (Hq + 2 Hkv) * D) are read in place and each head writes its own
+columns of the context (B*L, Hq * Dv): the concatenation of the heads costs nothing.
+
+Work is cut into tasks, shared dynamically by the threads (causal tasks differ in size):
+- normal: one task = one block of BLOCK_Q query rows of one (batch, query head);
+- decode (Lq == 1 with grouped K/V): one task = one (batch, KV head), its rows the query heads
+  of the group, so the shared K/V head is streamed once for all of them.
+A task walks K/V in tiles of BLOCK_K keys: S = scale * Q K^T (BLAS), then per row the masks and
+the online softmax (src/attention_tile.c), then acc += P V (BLAS). Only one S tile per thread
+exists at a time: extra memory is O(threads * BLOCK_Q * BLOCK_K), not O(Lq * Lk).
+With weights requested, the rows of the (B, H, Lq, Lk) weights array serve as the score
+buffer instead and the softmax is done exactly over whole rows.
+
+Tasks address rows generically: row r of a task is (head h0 + r*dh, query i0 + r*di), so
+one pointer and one row stride per operand describe both kinds of task to BLAS.
+"""
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+from libc.math cimport INFINITY
+from cython cimport floating
+from cython.parallel cimport parallel, prange
+
+from ._cython_blas cimport _gemm, NoTrans, Trans
+
+cdef extern from "attention_tile.h" nogil:
+    void mha_online_softmax_row_f32(float *s, int n, const float *add, Py_ssize_t add_stride,
+                                    const unsigned char *pad, int n_valid,
+                                    float *m, float *l, float *acc, int dv)
+    void mha_online_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
+                                    const unsigned char *pad, int n_valid,
+                                    double *m, double *l, double *acc, int dv)
+    void mha_softmax_row_f32(float *s, int n, const float *add, Py_ssize_t add_stride,
+                             const unsigned char *pad, int n_valid)
+    void mha_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
+                             const unsigned char *pad, int n_valid)
+    void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
+    void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
+    const char *mha_tile_simd_level()
+
+# Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/).
+cdef enum:
+    BLOCK_Q = 64
+    BLOCK_K = 256
+
+
+cdef struct Problem:
+    Py_ssize_t batch, q_heads, kv_heads, group, q_len, k_len, d, dv
+    # element strides of the (B, H, L) axes of each operand (the last axis is contiguous)
+    Py_ssize_t qb, qh, ql, kb, kh, kl, vb, vh, vl, ob, oh, ol, wb, wh, wl
+    # additive mask strides, (B, H, Lq, Lk) axes, 0 where broadcast; key padding row stride
+    Py_ssize_t mb, mh, ml, mk, pb
+    bint causal
+    Py_ssize_t causal_offset      # Lk - Lq: query i sees keys j <= i + causal_offset
+    bint heads_as_rows            # decode tasks (see module docstring)
+    Py_ssize_t q_blocks           # query blocks per (batch, head) in normal tasks
+
+
+cdef struct Task:
+    Py_ssize_t b, h0, i0, rows, dh, di, kv_head, k_end
+
+
+cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogil:
+    """Which rows task t covers and how far along the keys they may look."""
+    cdef Py_ssize_t rem, last_i
+    if p.heads_as_rows:
+        task.b = t // p.kv_heads
+        task.kv_head = t % p.kv_heads
+        task.h0 = task.kv_head * p.group
+        task.i0 = 0
+        task.rows = p.group
+        task.dh = 1
+        task.di = 0
+    else:
+        task.b = t // (p.q_heads * p.q_blocks)
+        rem = t % (p.q_heads * p.q_blocks)
+        task.h0 = rem // p.q_blocks
+        task.i0 = (rem % p.q_blocks) * BLOCK_Q
+        task.rows = min(<Py_ssize_t> BLOCK_Q, p.q_len - task.i0)
+        task.dh = 0
+        task.di = 1
+        task.kv_head = task.h0 // p.group
+    task.k_end = p.k_len
+    if p.causal:
+        last_i = task.i0 + (task.rows - 1) * task.di
+        task.k_end = max(<Py_ssize_t> 0, min(p.k_len, last_i + p.causal_offset + 1))
+
+
+cdef inline Py_ssize_t _n_valid(const Problem *p, const Task *task, Py_ssize_t r,
+                                Py_ssize_t j0, Py_ssize_t n) noexcept nogil:
+    """Keys of the tile starting at key j0 that row r may see (the causal limit)."""
+    if not p.causal:
+        return n
+    return max(<Py_ssize_t> 0, min(n, task.i0 + r * task.di + p.causal_offset + 1 - j0))
+
+
+cdef inline void _row_softmax_online(floating *s, Py_ssize_t n, const floating *add,
+                                     Py_ssize_t add_stride, const unsigned char *pad,
+                                     Py_ssize_t n_valid, floating *m, floating *l,
+                                     floating *acc, Py_ssize_t dv) noexcept nogil:
+    if floating is float:
+        mha_online_softmax_row_f32(s, <int> n, add, add_stride, pad, <int> n_valid, m, l, acc,
+                                   <int> dv)
+    else:
+        mha_online_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_valid, m, l, acc,
+                                   <int> dv)
+
+
+cdef inline void _row_softmax(floating *s, Py_ssize_t n, const floating *add,
+                              Py_ssize_t add_stride, const unsigned char *pad,
+                              Py_ssize_t n_valid) noexcept nogil:
+    if floating is float:
+        mha_softmax_row_f32(s, <int> n, add, add_stride, pad, <int> n_valid)
+    else:
+        mha_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_valid)
+
+
+cdef inline void _row_finish(const floating *acc, floating l, floating *out,
+                             Py_ssize_t dv) noexcept nogil:
+    if floating is float:
+        mha_finish_row_f32(acc, l, out, <int> dv)
+    else:
+        mha_finish_row_f64(acc, l, out, <int> dv)
+
+
+cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
+                       const floating *q, const floating *k, const floating *v, floating *out,
+                       const floating *mask, const unsigned char *pad,
+                       floating *scores, floating *acc, floating *row_max,
+                       floating *row_sum) noexcept nogil:
+    """One task, flash style: tiles of BLOCK_K keys, online softmax, O(tile) memory."""
+    cdef Task task
+    _task(p, t, &task)
+    cdef Py_ssize_t r, j0, nk
+    cdef Py_ssize_t q_rs = task.dh * p.qh + task.di * p.ql
+    cdef Py_ssize_t o_rs = task.dh * p.oh + task.di * p.ol
+    cdef Py_ssize_t m_rs = task.dh * p.mh + task.di * p.ml
+    cdef const floating *q0 = q + task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
+    cdef const floating *k0 = k + task.b * p.kb + task.kv_head * p.kh
+    cdef const floating *v0 = v + task.b * p.vb + task.kv_head * p.vh
+    cdef floating *o0 = out + task.b * p.ob + task.h0 * p.oh + task.i0 * p.ol
+    cdef const floating *m0 = NULL
+    cdef const unsigned char *pad_row = NULL
+    if mask != NULL:
+        m0 = mask + task.b * p.mb + task.h0 * p.mh + task.i0 * p.ml
+    if pad != NULL:
+        pad_row = pad + task.b * p.pb
+    if task.rows == 1:
+        q_rs = p.d       # BLAS wants a leading dimension >= the row length, even for one row
+
+    memset(acc, 0, task.rows * p.dv * sizeof(floating))
+    for r in range(task.rows):
+        row_max[r] = -INFINITY
+        row_sum[r] = 0
+    j0 = 0
+    while j0 < task.k_end:
+        nk = min(<Py_ssize_t> BLOCK_K, task.k_end - j0)
+        _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> q_rs,
+              k0 + j0 * p.kl, <int> p.kl, <floating> 0, scores, BLOCK_K)
+        for r in range(task.rows):
+            _row_softmax_online(scores + r * BLOCK_K, nk,
+                                NULL if m0 == NULL else m0 + r * m_rs + j0 * p.mk, p.mk,
+                                NULL if pad_row == NULL else pad_row + j0,
+                                _n_valid(p, &task, r, j0, nk),
+                                &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
+        _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <floating> 1, scores,
+              BLOCK_K, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
+        j0 += nk
+    for r in range(task.rows):
+        _row_finish(acc + r * p.dv, row_sum[r], o0 + r * o_rs, p.dv)
+
+
+cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
+                        const floating *q, const floating *k, const floating *v, floating *out,
+                        const floating *mask, const unsigned char *pad,
+                        floating *weights) noexcept nogil:
+    """One task with the weights kept: whole score rows in `weights`, exact softmax."""
+    cdef Task task
+    _task(p, t, &task)
+    cdef Py_ssize_t r
+    cdef Py_ssize_t q_rs = task.dh * p.qh + task.di * p.ql
+    cdef Py_ssize_t o_rs = task.dh * p.oh + task.di * p.ol
+    cdef Py_ssize_t w_rs = task.dh * p.wh + task.di * p.wl
+    cdef Py_ssize_t m_rs = task.dh * p.mh + task.di * p.ml
+    cdef const floating *q0 = q + task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
+    cdef const floating *k0 = k + task.b * p.kb + task.kv_head * p.kh
+    cdef const floating *v0 = v + task.b * p.vb + task.kv_head * p.vh
+    cdef floating *o0 = out + task.b * p.ob + task.h0 * p.oh + task.i0 * p.ol
+    cdef floating *w0 = weights + task.b * p.wb + task.h0 * p.wh + task.i0 * p.wl
+    cdef const floating *m0 = NULL
+    cdef const unsigned char *pad_row = NULL
+    if mask != NULL:
+        m0 = mask + task.b * p.mb + task.h0 * p.mh + task.i0 * p.ml
+    if pad != NULL:
+        pad_row = pad + task.b * p.pb
+    if task.rows == 1:
+        q_rs = p.d
+        w_rs = p.k_len
+        o_rs = p.dv
+
+    for r in range(task.rows):
+        memset(w0 + r * w_rs + task.k_end, 0, (p.k_len - task.k_end) * sizeof(floating))
+    if task.k_end == 0:
+        for r in range(task.rows):
+            memset(o0 + r * o_rs, 0, p.dv * sizeof(floating))
+        return
+    _gemm(NoTrans, Trans, <int> task.rows, <int> task.k_end, <int> p.d, scale, q0, <int> q_rs,
+          k0, <int> p.kl, <floating> 0, w0, <int> w_rs)
+    for r in range(task.rows):
+        _row_softmax(w0 + r * w_rs, task.k_end, NULL if m0 == NULL else m0 + r * m_rs, p.mk,
+                     pad_row, _n_valid(p, &task, r, 0, task.k_end))
+    _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> task.k_end, <floating> 1, w0,
+          <int> w_rs, v0, <int> p.vl, <floating> 0, o0, <int> o_rs)
+
+
+cdef inline Py_ssize_t _elem(Py_ssize_t stride_bytes, Py_ssize_t itemsize) noexcept:
+    return stride_bytes // itemsize
+
+
+def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
+              const floating[:, :, :, :] v, floating[:, :, :, :] out,
+              mask, pad, bint causal, floating scale, weights, int n_threads):
+    """out := softmax(scale * q k^T + mask) v per (batch, head), in place.
+
+    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv): strided views
+    with a contiguous last axis and row strides >= the row length (mha_cy.attention checks
+    everything; the kernel trusts it). mask: None or an additive (B, Hq, Lq, Lk) view of q's
+    dtype, broadcast with zero strides. pad: None or uint8 (B, Lk), nonzero = ignore the key.
+    causal: query i sees keys j <= i + Lk - Lq. weights: None or a contiguous (B, Hq, Lq, Lk)
+    array that receives the attention weights. n_threads: OpenMP threads (>= 1).
+    """
+    cdef Problem p
+    cdef Py_ssize_t isz = sizeof(floating)
+    # (a memoryview spec cannot say "only the last axis contiguous": check it here)
+    if not (q.strides[3] == k.strides[3] == v.strides[3] == out.strides[3] == isz):
+        raise ValueError("attention: q, k, v and out need a contiguous last axis")
+    p.batch, p.q_heads, p.q_len, p.d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    p.kv_heads, p.k_len, p.dv = k.shape[1], k.shape[2], v.shape[3]
+    p.group = p.q_heads // p.kv_heads
+    p.qb, p.qh, p.ql = _elem(q.strides[0], isz), _elem(q.strides[1], isz), _elem(q.strides[2], isz)
+    p.kb, p.kh, p.kl = _elem(k.strides[0], isz), _elem(k.strides[1], isz), _elem(k.strides[2], isz)
+    p.vb, p.vh, p.vl = _elem(v.strides[0], isz), _elem(v.strides[1], isz), _elem(v.strides[2], isz)
+    p.ob, p.oh, p.ol = (_elem(out.strides[0], isz), _elem(out.strides[1], isz),
+                        _elem(out.strides[2], isz))
+    p.causal = causal
+    p.causal_offset = p.k_len - p.q_len
+    p.heads_as_rows = p.q_len == 1 and p.group > 1
+    p.q_blocks = (p.q_len + BLOCK_Q - 1) // BLOCK_Q
+
+    cdef const floating[:, :, :, :] mask_view
+    cdef const floating *mask_ptr = NULL
+    p.mb = p.mh = p.ml = p.mk = 0
+    if mask is not None:
+        mask_view = mask
+        mask_ptr = &mask_view[0, 0, 0, 0]
+        p.mb, p.mh = _elem(mask_view.strides[0], isz), _elem(mask_view.strides[1], isz)
+        p.ml, p.mk = _elem(mask_view.strides[2], isz), _elem(mask_view.strides[3], isz)
+
+    cdef const unsigned char[:, ::1] pad_view
+    cdef const unsigned char *pad_ptr = NULL
+    p.pb = 0
+    if pad is not None:
+        pad_view = pad
+        pad_ptr = &pad_view[0, 0]
+        p.pb = pad_view.strides[0]
+
+    cdef floating[:, :, :, ::1] w_view       # C-contiguous
+    cdef floating *w_ptr = NULL
+    p.wb = p.wh = p.wl = 0
+    if weights is not None:
+        w_view = weights
+        w_ptr = &w_view[0, 0, 0, 0]
+        p.wb, p.wh = _elem(w_view.strides[0], isz), _elem(w_view.strides[1], isz)
+        p.wl = _elem(w_view.strides[2], isz)
+
+    cdef Py_ssize_t n_tasks = (p.batch * p.kv_heads if p.heads_as_rows
+                               else p.batch * p.q_heads * p.q_blocks)
+    if n_tasks == 0:
+        return out
+    cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks))
+    cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else BLOCK_Q
+    cdef const floating *q_ptr = &q[0, 0, 0, 0]
+    cdef const floating *k_ptr = &k[0, 0, 0, 0]
+    cdef const floating *v_ptr = &v[0, 0, 0, 0]
+    cdef floating *o_ptr = &out[0, 0, 0, 0]
+    cdef Py_ssize_t t
+    cdef floating *scratch
+    cdef int failed = 0
+
+    if w_ptr != NULL:
+        with nogil, parallel(num_threads=team):
+            for t in prange(n_tasks, schedule='dynamic'):
+                _weights_task(&p, t, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pad_ptr, w_ptr)
+        return out
+
+    cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
+    with nogil, parallel(num_threads=team):
+        # per-thread scratch: one score tile, the accumulators, running max and sum
+        scratch = <floating *> malloc((max_rows * (BLOCK_K + p.dv + 2)) * sizeof(floating))
+        if scratch == NULL:
+            failed_ptr[0] = 1
+        # every thread must reach the worksharing loop, even one without scratch
+        for t in prange(n_tasks, schedule='dynamic'):
+            if scratch != NULL:
+                _attend_task(&p, t, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pad_ptr,
+                             scratch, scratch + max_rows * BLOCK_K,
+                             scratch + max_rows * (BLOCK_K + p.dv),
+                             scratch + max_rows * (BLOCK_K + p.dv + 1))
+        free(scratch)
+    if failed:
+        raise MemoryError("attention: could not allocate the per-thread score tiles")
+    return out
+
+
+def simd_level():
+    """The SIMD level the softmax tiles run at on this CPU."""
+    return mha_tile_simd_level().decode()
