@@ -1,0 +1,25 @@
+"""mha_cy: multi-head attention for fast CPU inference.
+
+Layout of the package (one job per file):
+  attention.py            MultiHeadAttention, scaled_dot_product_attention: the fast path
+  reference.py            the same API in plain NumPy: the tests' oracle, the benchmarks' baseline
+  _module.py              what both share: parameters, argument checks, KV-cache bookkeeping
+  _checks.py              argument validation (errors name the argument, expected and actual)
+  _cache.py               KVCache, the preallocated keys/values of incremental decoding
+  _linear_kernel.pyx      the projections (x @ W.T + b), split over OpenMP threads
+  _attention_kernel.pyx   fused attention: BLAS score tiles + online softmax, OpenMP over tasks
+  _cython_blas.pyx/.pxd   row-major GEMM over scipy.linalg.cython_blas (nogil)
+  _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
+  _threads.py             the thread-count contract; BLAS held to one thread inside kernels
+  _build_info.py          build_info(): version, OpenMP, threads, BLAS, SIMD level
+  ../src/                 plain C: per-row masking, online softmax and a vectorized exp
+"""
+from ._version import __version__
+from ._cache import KVCache
+from ._threads import get_num_threads, set_num_threads, threads
+from ._build_info import build_info
+from .attention import MultiHeadAttention, scaled_dot_product_attention
+from . import reference
+
+__all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention", "reference",
+           "set_num_threads", "get_num_threads", "threads", "build_info", "__version__"]

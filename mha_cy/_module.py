@@ -1,0 +1,237 @@
+"""What the fast MultiHeadAttention and the reference one share: parameters, argument checks,
+the KV cache bookkeeping. The computation itself is each subclass's `_forward`."""
+import numpy as np
+
+from ._cache import KVCache
+from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
+                      check_key_padding_mask, check_ndim, float_dtype, positive_int, result_dtype)
+
+
+class MultiHeadAttentionBase:
+    """Multi-head attention with PyTorch's conventions (see mha_cy.MultiHeadAttention)."""
+
+    def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None,
+                 vdim=None, bias=True, dtype=np.float32, seed=None):
+        embed_dim = positive_int(embed_dim, "embed_dim")
+        num_heads = positive_int(num_heads, "num_heads")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"num_heads ({num_heads}) must divide embed_dim ({embed_dim}) "
+                                 "when head_dim is not given")
+            head_dim = embed_dim // num_heads
+        head_dim = positive_int(head_dim, "head_dim")
+        num_kv_heads = self._check_kv_heads(num_kv_heads, num_heads)
+        kdim = embed_dim if kdim is None else positive_int(kdim, "kdim")
+        vdim = embed_dim if vdim is None else positive_int(vdim, "vdim")
+        bias = check_bool_flag(bias, "bias")
+        dt = float_dtype(dtype)
+        rng = np.random.default_rng(seed)
+
+        def xavier(rows, cols):           # torch.nn.init.xavier_uniform_
+            bound = np.sqrt(6.0 / (rows + cols))
+            return rng.uniform(-bound, bound, size=(rows, cols))
+
+        n_q, n_kv = num_heads * head_dim, num_kv_heads * head_dim
+        out_bound = 1.0 / np.sqrt(n_q)    # nn.Linear's default init of the output projection
+        zeros = (lambda n: np.zeros(n)) if bias else (lambda n: None)
+        self._setup(num_heads, num_kv_heads, dt,
+                    xavier(n_q, embed_dim), xavier(n_kv, kdim), xavier(n_kv, vdim),
+                    rng.uniform(-out_bound, out_bound, size=(embed_dim, n_q)),
+                    zeros(n_q), zeros(n_kv), zeros(n_kv), zeros(embed_dim))
+
+    @classmethod
+    def from_weights(cls, q_weight, k_weight, v_weight, out_weight, *, num_heads,
+                     num_kv_heads=None, q_bias=None, k_bias=None, v_bias=None, out_bias=None,
+                     dtype=None):
+        """A module with the given weights, in nn.Linear layout (out_features, in_features).
+
+        q_weight (num_heads * head_dim, embed_dim), k_weight (num_kv_heads * head_dim, kdim),
+        v_weight (num_kv_heads * head_dim, vdim), out_weight (embed_dim, num_heads * head_dim);
+        embed_dim, kdim, vdim and head_dim are read off the shapes. A missing bias is zero
+        (some models have no bias on k only); no bias at all means bias=False. The arrays are
+        copied. dtype: float32 or float64; None = float64 if any weight is float64, else float32.
+        """
+        num_heads = positive_int(num_heads, "num_heads")
+        num_kv_heads = cls._check_kv_heads(num_kv_heads, num_heads)
+        weights = {name: as_array(w, name) for name, w in (
+            ("q_weight", q_weight), ("k_weight", k_weight), ("v_weight", v_weight),
+            ("out_weight", out_weight))}
+        for name, w in weights.items():
+            check_ndim(w, name, (2,), "(out_features, in_features)")
+        qw, kw, vw, ow = weights.values()
+        dt = result_dtype(*weights.values()) if dtype is None else float_dtype(dtype)
+        n_q, embed_dim = qw.shape
+        if n_q == 0 or n_q % num_heads:
+            raise ValueError(f"q_weight has {n_q} rows, which num_heads={num_heads} does not divide "
+                             "into heads of head_dim >= 1")
+        head_dim = n_q // num_heads
+        n_kv = num_kv_heads * head_dim
+        for name, w in (("k_weight", kw), ("v_weight", vw)):
+            if w.shape[0] != n_kv:
+                raise ValueError(f"{name} has {w.shape[0]} rows; expected num_kv_heads * head_dim "
+                                 f"= {num_kv_heads} * {head_dim} = {n_kv}")
+        if ow.shape != (embed_dim, n_q):
+            raise ValueError(f"out_weight must have shape (embed_dim, num_heads * head_dim) = "
+                             f"{(embed_dim, n_q)}; got {ow.shape}")
+        for name, w in weights.items():
+            if 0 in w.shape:
+                raise ValueError(f"{name} has an empty axis: shape {w.shape}")
+        biases = []
+        for name, b, n in (("q_bias", q_bias, n_q), ("k_bias", k_bias, n_kv),
+                           ("v_bias", v_bias, n_kv), ("out_bias", out_bias, embed_dim)):
+            if b is not None:
+                b = as_array(b, name)
+                if b.shape != (n,):
+                    raise ValueError(f"{name} must have shape ({n},); got {b.shape}")
+            biases.append(b)
+        if any(b is not None for b in biases):
+            sizes = (n_q, n_kv, n_kv, embed_dim)
+            biases = [np.zeros(n) if b is None else b for b, n in zip(biases, sizes)]
+        self = cls.__new__(cls)
+        self._setup(num_heads, num_kv_heads, dt, qw, kw, vw, ow, *biases)
+        return self
+
+    @staticmethod
+    def _check_kv_heads(num_kv_heads, num_heads):
+        if num_kv_heads is None:
+            return num_heads
+        num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        return num_kv_heads
+
+    def _setup(self, num_heads, num_kv_heads, dtype, qw, kw, vw, ow, qb, kb, vb, ob):
+        """Store copies of the weights. When kdim == vdim == embed_dim, the q/k/v weights (and
+        biases) are views into one packed array, so that self-attention needs one GEMM."""
+        self.num_heads, self.num_kv_heads, self.dtype = num_heads, num_kv_heads, dtype
+        self.head_dim = qw.shape[0] // num_heads
+        self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
+        rows = np.cumsum([0, qw.shape[0], kw.shape[0], vw.shape[0]])
+        if self.kdim == self.vdim == self.embed_dim:
+            self.in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype)
+            self._q_weight, self._k_weight, self._v_weight = (
+                self.in_proj_weight[a:b] for a, b in zip(rows[:-1], rows[1:]))
+        else:
+            self.in_proj_weight = None
+            self._q_weight, self._k_weight, self._v_weight = (
+                np.array(w, dtype=dtype, order="C") for w in (qw, kw, vw))
+        if qb is None:
+            self.in_proj_bias = self._q_bias = self._k_bias = self._v_bias = None
+            self._out_bias = None
+        else:
+            self.in_proj_bias = np.concatenate([qb, kb, vb]).astype(dtype)
+            self._q_bias, self._k_bias, self._v_bias = (
+                self.in_proj_bias[a:b] for a, b in zip(rows[:-1], rows[1:]))
+            self._out_bias = np.array(ob, dtype=dtype)
+        self._out_weight = np.array(ow, dtype=dtype, order="C")
+
+    # The parameters, read-only attributes: edit them in place (they are views into the packed
+    # arrays) or build a new module with from_weights.
+    q_weight = property(lambda self: self._q_weight)
+    k_weight = property(lambda self: self._k_weight)
+    v_weight = property(lambda self: self._v_weight)
+    out_weight = property(lambda self: self._out_weight)
+    q_bias = property(lambda self: self._q_bias)
+    k_bias = property(lambda self: self._k_bias)
+    v_bias = property(lambda self: self._v_bias)
+    out_bias = property(lambda self: self._out_bias)
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
+                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype})")
+
+    def new_cache(self, batch_size, max_len):
+        """An empty KV cache for incremental decoding of batch_size sequences up to max_len."""
+        return KVCache(positive_int(batch_size, "batch_size"), self.num_kv_heads,
+                       positive_int(max_len, "max_len"), self.head_dim, self.dtype)
+
+    def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
+                 is_causal=False, need_weights=False, cache=None):
+        """Attend query (B, Lq, E) to key (B, Lk, kdim) / value (B, Lk, vdim); see the class doc.
+
+        Returns out (B, Lq, E), or (out, weights) with weights (B, num_heads, Lq, Lk) when
+        need_weights. 2-D inputs (one unbatched sequence) give 2-D/3-D results.
+        """
+        dt = self.dtype
+        query = as_float_array(query, "query", dt)
+        check_ndim(query, "query", (2, 3), "(batch, length, embed_dim) or (length, embed_dim)")
+        check_dim(query.shape[-1], self.embed_dim, "query", "last axis (embed_dim) of size")
+        unbatched = query.ndim == 2
+        self_attention = key is None
+        if key is None:
+            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+                raise ValueError(f"key is required: this module has kdim={self.kdim}, "
+                                 f"vdim={self.vdim} != embed_dim={self.embed_dim}, so it cannot "
+                                 "do self-attention")
+            if value is not None:
+                raise ValueError("value was given without key; pass key too (key=None means "
+                                 "self-attention: key = value = query)")
+            key = value = query
+        else:
+            key = as_float_array(key, "key", dt)
+            value = key if value is None else as_float_array(value, "value", dt)
+            for name, arr, dim, dim_name in (("key", key, self.kdim, "kdim"),
+                                             ("value", value, self.vdim, "vdim")):
+                check_ndim(arr, name, (query.ndim,), f"like query (query is {query.ndim}-D)")
+                check_dim(arr.shape[-1], dim, name, f"last axis ({dim_name}) of size")
+                if not unbatched:
+                    check_dim(arr.shape[0], query.shape[0], name, "batch size")
+            check_dim(value.shape[-2], key.shape[-2], "value", "length (must equal key's)")
+        if unbatched:
+            query, key, value = query[None], key[None], value[None]
+            if key_padding_mask is not None:
+                key_padding_mask = np.asarray(key_padding_mask)
+                if key_padding_mask.ndim == 1:
+                    key_padding_mask = key_padding_mask[None]
+        B, Lq, _ = query.shape
+        Lk = key.shape[1]
+        is_causal = check_bool_flag(is_causal, "is_causal")
+        need_weights = check_bool_flag(need_weights, "need_weights")
+
+        if cache is not None:
+            if not self_attention:
+                raise ValueError("cache= is for self-attention decoding: key and value must be None")
+            self._check_cache(cache, B)
+            cache._check_room(Lq)
+            Lk = cache.length + Lq
+            is_causal = True        # a decoder's new tokens see only the cache and themselves
+        if key_padding_mask is not None:
+            key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
+        if attn_mask is not None:
+            attn_mask = check_attn_mask(attn_mask, B, self.num_heads, Lq, Lk, dt)
+
+        if B == 0 or Lq == 0:
+            out = np.zeros((B, Lq, self.embed_dim), dt)
+            weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
+        elif Lk == 0:               # nothing to attend to: a context of zeros
+            out = np.zeros((B, Lq, self.embed_dim), dt)
+            if self.out_bias is not None:
+                out += self.out_bias
+            weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
+        else:
+            out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
+                                         attn_mask, is_causal, need_weights, cache)
+            if cache is not None:
+                cache._commit(Lq)
+        if unbatched:
+            out = out[0]
+            weights = None if weights is None else weights[0]
+        return (out, weights) if need_weights else out
+
+    def _check_cache(self, cache, batch):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from new_cache(); got {type(cache).__name__}")
+        mine = (self.num_kv_heads, self.head_dim, self.dtype)
+        theirs = (cache.num_kv_heads, cache.head_dim, cache.dtype)
+        if mine != theirs:
+            raise ValueError(f"cache has (num_kv_heads, head_dim, dtype) = {theirs}; this module "
+                             f"needs {mine}: make it with this module's new_cache()")
+        check_dim(cache.batch_size, batch, "cache", "batch_size")
+
+    def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
+                 is_causal, need_weights, cache):
+        """out (B, Lq, E) and weights (B, H, Lq, Lk) or None. Inputs are checked 3-D arrays of
+        the module dtype; masks as returned by the _checks functions; with a cache, append the
+        new keys/values (cache._write) and attend over all of them (the base commits)."""
+        raise NotImplementedError

@@ -1,0 +1,138 @@
+"""The fast path: MultiHeadAttention and scaled_dot_product_attention on the compiled kernels.
+
+One forward of self-attention is three parallel kernel calls and no Python loop:
+  x (B*L, E) --linear--> QKV (B*L, (Hq + 2 Hkv) * D)      one GEMM on the packed weights
+  QKV --attention--> context (B*L, Hq * D)                 heads read/written in place
+  context --linear--> out (B*L, E)                         W_O mixes the heads
+BLAS is held at one thread around them: all parallelism is the kernels' own OpenMP threads.
+"""
+import numpy as np
+
+from . import _attention_kernel, _linear_kernel
+from ._checks import check_sdpa_inputs
+from ._module import MultiHeadAttentionBase
+from ._threads import blas_single_threaded, get_num_threads
+
+__all__ = ["MultiHeadAttention", "scaled_dot_product_attention"]
+
+
+def _blas_operand(x):
+    """A (B, H, L, D) view as the kernel needs it: last axis contiguous, non-negative strides
+    and rows (and heads) at least D elements apart, as BLAS leading dimensions must be.
+    Views of a projection or a cache already are; anything else is copied."""
+    item, d = x.itemsize, x.shape[3]
+    s = x.strides
+    ok = (s[3] == item and all(st >= 0 and st % item == 0 for st in s)
+          and (x.shape[2] <= 1 or s[2] >= d * item) and (x.shape[1] <= 1 or s[1] >= d * item))
+    return x if ok else np.ascontiguousarray(x)
+
+
+def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
+    """The kernel's mask arguments: an additive view broadcast to `shape` (a bool mask becomes
+    0 / -inf) and key padding as uint8."""
+    add = None
+    if attn_mask is not None:
+        if attn_mask.dtype == np.bool_:
+            attn_mask = np.where(attn_mask, 0, -np.inf).astype(dtype)
+        add = np.broadcast_to(attn_mask, shape)
+    pad = None
+    if key_padding_mask is not None:
+        pad = np.ascontiguousarray(key_padding_mask).view(np.uint8)
+    return add, pad
+
+
+def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads):
+    """out[...] = attention of q over k, v (all (B, H, L, D) views), weights filled if given."""
+    add, pad = _kernel_masks(attn_mask, key_padding_mask,
+                             q.shape[:3] + (k.shape[2],), q.dtype)
+    _attention_kernel.attention(_blas_operand(q), _blas_operand(k), _blas_operand(v), out,
+                                add, pad, is_causal, scale, weights, n_threads)
+
+
+def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """softmax(q k^T * scale + mask) v for every batch and head.
+
+    q (B, Hq, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with Hq % Hkv == 0: query head h
+    reads key/value head h // (Hq / Hkv) (GQA, MQA with Hkv = 1; K/V are not repeated).
+    attn_mask: bool (True = may attend) or additive, shaped (Lq, Lk), (B, Lq, Lk) or
+    (B, Hq, Lq, Lk), axes of size 1 broadcast. is_causal: query i sees keys j <= i + Lk - Lq
+    (diagonal at the bottom right). scale: default 1/sqrt(D). A row with every key masked
+    gives zeros. Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
+    """
+    q, k, v, attn_mask, is_causal, scale = check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale)
+    out = np.zeros(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    if out.size and k.shape[2]:
+        with blas_single_threaded():
+            _attend(q, k, v, out, attn_mask, None, is_causal, scale, None, get_num_threads())
+    return out
+
+
+def _linear(x, weight, bias, n_threads):
+    """(B, L, in) @ weight.T + bias -> (B, L, out), on the threads of the linear kernel."""
+    batch, length, width = x.shape
+    out = np.empty((batch * length, weight.shape[0]), dtype=x.dtype)
+    _linear_kernel.linear(np.ascontiguousarray(x).reshape(batch * length, width), weight, bias,
+                          out, n_threads)
+    return out.reshape(batch, length, -1)
+
+
+def _split_heads(x, heads, head_dim):
+    """(B, L, heads * head_dim) -> (B, heads, L, head_dim) view."""
+    return x.reshape(x.shape[0], x.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
+
+
+class MultiHeadAttention(MultiHeadAttentionBase):
+    """Multi-head attention for CPU inference, with PyTorch's conventions.
+
+    mha = MultiHeadAttention(embed_dim, num_heads, *, num_kv_heads=None, head_dim=None,
+                             kdim=None, vdim=None, bias=True, dtype=np.float32, seed=None)
+    out = mha(query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
+              is_causal=False, need_weights=False, cache=None)
+
+    - query (B, Lq, E) (or (Lq, E), unbatched); key=None: self-attention; value=None: value = key.
+    - num_kv_heads: None = num_heads (MHA), 1 = MQA, a divisor of num_heads = GQA.
+    - key_padding_mask: bool (B, Lk), True = padding (ignored).
+    - attn_mask: bool (True = may attend) or float (added to the scores), shaped (Lq, Lk),
+      (B, Lq, Lk) or (B, num_heads, Lq, Lk); size-1 axes broadcast. Masks combine.
+    - is_causal: query i sees keys j <= i + Lk - Lq (bottom-right diagonal, as with a cache).
+    - need_weights: also return the per-head weights (B, num_heads, Lq, Lk).
+    - cache: a KVCache from new_cache(); the call appends the keys/values of query and attends
+      causally over everything cached. A failed call leaves the cache as it was.
+    Weights are nn.Linear-shaped (out_features, in_features): q_weight, k_weight, v_weight,
+    out_weight, q_bias, ... (the q/k/v ones are views of in_proj_weight when kdim == vdim ==
+    embed_dim). Output dtype is the module dtype (float32 or float64); other inputs are converted.
+    """
+
+    def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
+                 is_causal, need_weights, cache):
+        batch, q_len, _ = query.shape
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        n_q = heads * d
+        n_threads = get_num_threads()
+        with blas_single_threaded():
+            if self_attention and self.in_proj_weight is not None:
+                qkv = _linear(query, self.in_proj_weight, self.in_proj_bias, n_threads)
+                qkv = _split_heads(qkv, heads + 2 * kv_heads, d)
+                q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+            else:
+                q = _split_heads(_linear(query, self.q_weight, self.q_bias, n_threads), heads, d)
+                if key is value and self.in_proj_weight is not None:   # one GEMM for K and V
+                    kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[n_q:]
+                    kv = _linear(key, self.in_proj_weight[n_q:], kv_bias, n_threads)
+                    kv = _split_heads(kv, 2 * kv_heads, d)
+                    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+                else:
+                    k = _split_heads(_linear(key, self.k_weight, self.k_bias, n_threads),
+                                     kv_heads, d)
+                    v = _split_heads(_linear(value, self.v_weight, self.v_bias, n_threads),
+                                     kv_heads, d)
+            if cache is not None:
+                k, v = cache._write(k, v)
+            context = np.empty((batch, q_len, n_q), dtype=self.dtype)
+            weights = None
+            if need_weights:
+                weights = np.empty((batch, heads, q_len, k.shape[2]), dtype=self.dtype)
+            _attend(q, k, v, _split_heads(context, heads, d), attn_mask, key_padding_mask,
+                    is_causal, 1.0 / np.sqrt(d), weights, n_threads)
+            out = _linear(context, self.out_weight, self.out_bias, n_threads)
+        return out, weights

@@ -1,0 +1,84 @@
+"""mha_cy.reference: the whole API of mha_cy in plain, vectorized NumPy.
+
+It is the oracle of every test and the baseline of every benchmark, so it stays short and
+obviously right: the full (B, H, Lq, Lk) score tensor, a boolean "may attend" tensor, an
+ordinary softmax. It shares argument checking and parameter handling with the fast path
+(mha_cy._checks, mha_cy._module) but computes everything itself.
+"""
+import numpy as np
+
+from ._cache import KVCache
+from ._checks import check_sdpa_inputs
+from ._module import MultiHeadAttentionBase
+
+__all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention"]
+
+
+def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
+    """(out, weights) of softmax(scale * q k^T + mask) v.
+
+    q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D); attn_mask None, bool (True = may attend) or
+    additive, broadcastable to (B, Hq, Lq, Lk); key_padding_mask None or bool (B, Lk),
+    True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)          # query head h reads key/value head h // group
+    v = np.repeat(v, group, axis=1)
+    scores = (q @ k.swapaxes(-1, -2)) * scale
+    allowed = np.ones(scores.shape, dtype=bool)
+    if attn_mask is not None:
+        if attn_mask.dtype == bool:
+            allowed &= attn_mask
+        else:
+            scores = scores + attn_mask
+    if key_padding_mask is not None:
+        allowed &= ~key_padding_mask[:, None, None, :]
+    if is_causal:
+        q_len, k_len = scores.shape[-2:]
+        query_pos = np.arange(q_len)[:, None] + (k_len - q_len)
+        allowed &= np.arange(k_len)[None, :] <= query_pos
+    scores = np.where(allowed, scores, -np.inf)
+
+    if scores.shape[-1] == 0:                # no keys: nothing to attend to
+        weights = np.zeros_like(scores)
+    else:
+        row_max = scores.max(axis=-1, keepdims=True)
+        row_max = np.where(np.isneginf(row_max), 0, row_max)   # all masked: exp(-inf) = 0
+        e = np.exp(scores - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        weights = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return weights @ v, weights
+
+
+def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """softmax(q k^T * scale + mask) v; see mha_cy.scaled_dot_product_attention."""
+    q, k, v, attn_mask, is_causal, scale = check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale)
+    return _attention(q, k, v, attn_mask, None, is_causal, scale)[0]
+
+
+class MultiHeadAttention(MultiHeadAttentionBase):
+    """Multi-head attention in plain NumPy; see mha_cy.MultiHeadAttention."""
+
+    def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
+                 is_causal, need_weights, cache):
+        batch, q_len, _ = query.shape
+
+        def project(x, weight, bias, heads):       # (B, L, in) -> (B, heads, L, head_dim)
+            y = x @ weight.T
+            if bias is not None:
+                y = y + bias
+            return y.reshape(batch, x.shape[1], heads, self.head_dim).transpose(0, 2, 1, 3)
+
+        q = project(query, self.q_weight, self.q_bias, self.num_heads)
+        k = project(key, self.k_weight, self.k_bias, self.num_kv_heads)
+        v = project(value, self.v_weight, self.v_bias, self.num_kv_heads)
+        if cache is not None:
+            k, v = cache._write(k, v)
+        context, weights = _attention(q, k, v, attn_mask, key_padding_mask, is_causal,
+                                      1.0 / np.sqrt(self.head_dim))
+        # concatenate the heads, then mix them with the output projection
+        context = context.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
+        out = context @ self.out_weight.T
+        if self.out_bias is not None:
+            out = out + self.out_bias
+        return out, (weights if need_weights else None)
