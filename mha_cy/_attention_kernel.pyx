@@ -41,10 +41,10 @@ cdef extern from "attention_tile.h" nogil:
     void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
     const char *mha_tile_simd_level()
 
-# Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/).
-cdef enum:
-    BLOCK_Q = 64
-    BLOCK_K = 256
+# Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/); changed only
+# by _set_tile_sizes, for tuning and for the tests that results do not depend on them.
+cdef Py_ssize_t BLOCK_Q = 128
+cdef Py_ssize_t BLOCK_K = 256
 
 
 cdef struct Problem:
@@ -56,6 +56,7 @@ cdef struct Problem:
     bint causal
     Py_ssize_t causal_offset      # Lk - Lq: query i sees keys j <= i + causal_offset
     bint heads_as_rows            # decode tasks (see module docstring)
+    Py_ssize_t block_q, block_k   # query rows per normal task, keys per score tile
     Py_ssize_t q_blocks           # query blocks per (batch, head) in normal tasks
 
 
@@ -78,8 +79,8 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
         task.b = t // (p.q_heads * p.q_blocks)
         rem = t % (p.q_heads * p.q_blocks)
         task.h0 = rem // p.q_blocks
-        task.i0 = (rem % p.q_blocks) * BLOCK_Q
-        task.rows = min(<Py_ssize_t> BLOCK_Q, p.q_len - task.i0)
+        task.i0 = (rem % p.q_blocks) * p.block_q
+        task.rows = min(p.block_q, p.q_len - task.i0)
         task.dh = 0
         task.di = 1
         task.kv_head = task.h0 // p.group
@@ -131,7 +132,8 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
                        const floating *mask, const unsigned char *pad,
                        floating *scores, floating *acc, floating *row_max,
                        floating *row_sum) noexcept nogil:
-    """One task, flash style: tiles of BLOCK_K keys, online softmax, O(tile) memory."""
+    """One task, flash style: tiles of block_k keys, online softmax, O(tile) memory.
+    scores: rows x block_k; acc: rows x dv; row_max, row_sum: rows."""
     cdef Task task
     _task(p, t, &task)
     cdef Py_ssize_t r, j0, nk
@@ -157,17 +159,17 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
         row_sum[r] = 0
     j0 = 0
     while j0 < task.k_end:
-        nk = min(<Py_ssize_t> BLOCK_K, task.k_end - j0)
+        nk = min(p.block_k, task.k_end - j0)
         _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> q_rs,
-              k0 + j0 * p.kl, <int> p.kl, <floating> 0, scores, BLOCK_K)
+              k0 + j0 * p.kl, <int> p.kl, <floating> 0, scores, <int> p.block_k)
         for r in range(task.rows):
-            _row_softmax_online(scores + r * BLOCK_K, nk,
+            _row_softmax_online(scores + r * p.block_k, nk,
                                 NULL if m0 == NULL else m0 + r * m_rs + j0 * p.mk, p.mk,
                                 NULL if pad_row == NULL else pad_row + j0,
                                 _n_valid(p, &task, r, j0, nk),
                                 &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
         _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <floating> 1, scores,
-              BLOCK_K, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
+              <int> p.block_k, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
         j0 += nk
     for r in range(task.rows):
         _row_finish(acc + r * p.dv, row_sum[r], o0 + r * o_rs, p.dv)
@@ -248,7 +250,8 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     p.causal = causal
     p.causal_offset = p.k_len - p.q_len
     p.heads_as_rows = p.q_len == 1 and p.group > 1
-    p.q_blocks = (p.q_len + BLOCK_Q - 1) // BLOCK_Q
+    p.block_q, p.block_k = BLOCK_Q, BLOCK_K
+    p.q_blocks = (p.q_len + p.block_q - 1) // p.block_q
 
     cdef const floating[:, :, :, :] mask_view
     cdef const floating *mask_ptr = NULL
@@ -281,7 +284,8 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     if n_tasks == 0:
         return out
     cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks))
-    cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else BLOCK_Q
+    cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else p.block_q
+    cdef Py_ssize_t bk = p.block_k
     cdef const floating *q_ptr = &q[0, 0, 0, 0]
     cdef const floating *k_ptr = &k[0, 0, 0, 0]
     cdef const floating *v_ptr = &v[0, 0, 0, 0]
@@ -299,20 +303,30 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
     with nogil, parallel(num_threads=team):
         # per-thread scratch: one score tile, the accumulators, running max and sum
-        scratch = <floating *> malloc((max_rows * (BLOCK_K + p.dv + 2)) * sizeof(floating))
+        scratch = <floating *> malloc((max_rows * (bk + p.dv + 2)) * sizeof(floating))
         if scratch == NULL:
             failed_ptr[0] = 1
         # every thread must reach the worksharing loop, even one without scratch
         for t in prange(n_tasks, schedule='dynamic'):
             if scratch != NULL:
                 _attend_task(&p, t, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pad_ptr,
-                             scratch, scratch + max_rows * BLOCK_K,
-                             scratch + max_rows * (BLOCK_K + p.dv),
-                             scratch + max_rows * (BLOCK_K + p.dv + 1))
+                             scratch, scratch + max_rows * bk,
+                             scratch + max_rows * (bk + p.dv),
+                             scratch + max_rows * (bk + p.dv + 1))
         free(scratch)
     if failed:
         raise MemoryError("attention: could not allocate the per-thread score tiles")
     return out
+
+
+def _set_tile_sizes(block_q, block_k):
+    """Set the query rows per task and keys per score tile; return the previous pair."""
+    global BLOCK_Q, BLOCK_K
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"tile sizes must be >= 1; got ({block_q}, {block_k})")
+    previous = (BLOCK_Q, BLOCK_K)
+    BLOCK_Q, BLOCK_K = block_q, block_k
+    return previous
 
 
 def simd_level():
