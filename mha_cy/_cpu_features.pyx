@@ -1,0 +1,27 @@
+"""CPU / build features, from src/cpu_features.c."""
+
+cdef extern from "cpu_features.h":
+    const char *mha_simd_level() noexcept nogil
+    int mha_native_build() noexcept nogil
+    const char *mha_compiler_version() noexcept nogil
+    const char *mha_build_flags() noexcept nogil
+
+
+def simd_level():
+    """SIMD level the run-time dispatch picks here: 'avx512f', 'avx2', 'sse2' or 'generic'."""
+    return mha_simd_level().decode("ascii")
+
+
+def native_build():
+    """True when built with MHA_CY_NATIVE=1 (-march=native: runs only on CPUs like the build host)."""
+    return bool(mha_native_build())
+
+
+def compiler_version():
+    """Compiler that built the extensions, e.g. 'gcc 12.2.0'."""
+    return mha_compiler_version().decode("utf-8", "replace")
+
+
+def build_flags():
+    """Extra C flags setup.py passed to every extension (space-separated)."""
+    return mha_build_flags().decode("utf-8", "replace")

@@ -1,0 +1,304 @@
+"""Build script for mha_cy's compiled extensions (metadata lives in pyproject.toml).
+
+Every ``mha_cy/<name>.pyx`` becomes the extension ``mha_cy.<name>``, and every
+extension also compiles all of ``src/*.c`` (hand-written C; include dir ``src/``).
+New .pyx / .c files are picked up automatically (globs).  Cython runs only when
+extensions are actually built, so the sdist carries the .pyx sources and never
+Cython's generated .c files.
+
+Environment variables (all take 1/0, true/false, yes/no, on/off):
+
+  MHA_CY_NATIVE=1           add -march=native and define MHA_CY_NATIVE_BUILD=1
+                            (local builds only: the result runs only on CPUs
+                            like the build host; build_info() reports it).
+  MHA_CY_DEBUG=1            -O0 -g, and Cython boundscheck / wraparound /
+                            initializedcheck back on.
+  MHA_CY_REQUIRE_OPENMP=1   fail the build when OpenMP is missing or disabled
+                            (default: warn and build serial kernels).
+  MHA_CY_DISABLE_OPENMP=1   skip the OpenMP probe and build serial kernels
+                            (to test the serial fallback).
+  MHA_CY_ANNOTATE=1         also write Cython's annotated HTML (cython -a) next
+                            to each .pyx, to check hot loops for Python calls.
+
+A change of any of these (or of the compiler / Cython version) since the last
+build in the same build/ directory forces Cython and the C compiler to rerun.
+"""
+
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+
+import numpy
+from Cython import __version__ as cython_version
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.modified import newer_group  # setuptools >= 69
+except ImportError:  # pragma: no cover
+    from setuptools.dep_util import newer_group
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _env_flag(name):
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    sys.exit(f"error: environment variable {name} must be one of 1/0, true/false, "
+             f"yes/no, on/off; got {os.environ[name]!r}")
+
+
+NATIVE = _env_flag("MHA_CY_NATIVE")
+DEBUG = _env_flag("MHA_CY_DEBUG")
+REQUIRE_OPENMP = _env_flag("MHA_CY_REQUIRE_OPENMP")
+DISABLE_OPENMP = _env_flag("MHA_CY_DISABLE_OPENMP")
+ANNOTATE = _env_flag("MHA_CY_ANNOTATE")
+
+PACKAGE = "mha_cy"
+SRC_DIR = "src"
+
+CYTHON_DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+}
+
+OPENMP_PROBE = textwrap.dedent(
+    """\
+    #include <omp.h>
+    #include <stdio.h>
+
+    int main(void)
+    {
+        int team = 0;
+    #pragma omp parallel
+        {
+    #pragma omp atomic
+            team++;
+        }
+        printf("%d %d\\n", omp_get_max_threads(), team);
+        return 0;
+    }
+    """
+)
+
+
+def _c_sources():
+    """Hand-written C compiled into every extension (sorted: reproducible builds)."""
+    return sorted(glob.glob(os.path.join(SRC_DIR, "*.c")))
+
+
+def _extensions():
+    shared_c = _c_sources()
+    depends = shared_c + sorted(glob.glob(os.path.join(SRC_DIR, "*.h")))
+    extensions = []
+    for pyx in sorted(glob.glob(os.path.join(PACKAGE, "*.pyx"))):
+        name = os.path.splitext(os.path.basename(pyx))[0]
+        extensions.append(
+            Extension(
+                f"{PACKAGE}.{name}",
+                sources=[pyx] + shared_c,
+                include_dirs=[SRC_DIR, numpy.get_include()],
+                define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+                depends=depends,
+                language="c",
+            )
+        )
+    return extensions
+
+
+class BuildExt(build_ext):
+    """build_ext that cythonizes lazily, probes OpenMP and sets the flags."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # `-j N` on the command line wins
+            self.parallel = os.cpu_count() or 1
+
+    # -- configuration ---------------------------------------------------------
+
+    def _openmp_flags(self):
+        """(compile, link) OpenMP flags, or None when the build is serial."""
+        if self.compiler.compiler_type == "msvc":
+            candidate = (["/openmp"], [])
+        else:
+            candidate = (["-fopenmp"], ["-fopenmp"])
+
+        if DISABLE_OPENMP:
+            reason = "MHA_CY_DISABLE_OPENMP is set"
+        else:
+            reason = self._probe_openmp(*candidate)
+            if reason is None:
+                return candidate
+
+        if REQUIRE_OPENMP:
+            sys.exit(
+                "error: MHA_CY_REQUIRE_OPENMP=1 but OpenMP is not available "
+                f"({reason}).\n"
+                "Install a compiler with OpenMP support (gcc; or clang with libomp) "
+                "or unset MHA_CY_REQUIRE_OPENMP / MHA_CY_DISABLE_OPENMP."
+            )
+        message = textwrap.dedent(
+            f"""\
+
+            ***********************************************************************
+            WARNING: building mha_cy WITHOUT OpenMP ({reason}).
+            The kernels will run serially on one core: correct, but slower.
+            mha_cy.build_info()['openmp'] will be False.
+            To get parallel kernels, use a compiler with OpenMP support (gcc;
+            clang with libomp), then rebuild; set MHA_CY_REQUIRE_OPENMP=1 to turn
+            this warning into an error.
+            ***********************************************************************
+            """
+        )
+        print(message, file=sys.stderr, flush=True)
+        return None
+
+    def _probe_openmp(self, compile_flags, link_flags):
+        """Compile and link a tiny OpenMP program with self.compiler.
+
+        Returns None on success, else a one-line reason.
+        """
+        tmp = tempfile.mkdtemp(prefix="mha_cy_openmp_probe_")
+        try:
+            source = os.path.join(tmp, "probe.c")
+            with open(source, "w") as f:
+                f.write(OPENMP_PROBE)
+            flags = " ".join(compile_flags)
+            try:
+                objects = self.compiler.compile(
+                    [source], output_dir=tmp, extra_postargs=compile_flags
+                )
+            except Exception:  # CompileError, missing compiler...
+                return f"the compiler cannot compile an OpenMP test program with {flags}"
+            try:
+                self.compiler.link_executable(
+                    objects, "probe", output_dir=tmp, extra_postargs=link_flags
+                )
+            except Exception:  # LinkError: e.g. no OpenMP runtime library
+                return f"an OpenMP test program compiled with {flags} does not link"
+            return None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _configure(self):
+        """Flags and macros shared by every extension, as a dict."""
+        msvc = self.compiler.compiler_type == "msvc"
+        if msvc:
+            compile_args = ["/Od", "/Zi"] if DEBUG else ["/O2"]
+            link_args = ["/DEBUG"] if DEBUG else []
+        else:
+            compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
+            # No -ffast-math: kernels rely on IEEE inf/NaN (masked rows, -INFINITY
+            # running max).  -fno-math-errno only lets libm calls inline.
+            # Hidden visibility: src/*.c is linked into every module; keep each
+            # copy private (PyInit_* is exported explicitly by Python's headers).
+            compile_args += ["-std=c11", "-fno-math-errno", "-fvisibility=hidden"]
+            link_args = ["-g"] if DEBUG else []
+        macros = []
+        if NATIVE:
+            if msvc:
+                print("warning: MHA_CY_NATIVE is ignored with MSVC", file=sys.stderr)
+            else:
+                compile_args.append("-march=native")
+                macros.append(("MHA_CY_NATIVE_BUILD", "1"))
+        openmp = self._openmp_flags()
+        if openmp is not None:
+            compile_args += openmp[0]
+            link_args += openmp[1]
+        if not msvc:
+            # Recorded for build_info(); a single argv element, so no shell quoting.
+            macros.append(("MHA_CY_BUILD_FLAGS", '"%s"' % " ".join(compile_args)))
+        return {
+            "compile_args": compile_args,
+            "link_args": link_args,
+            "macros": macros,
+            "openmp": openmp is not None,
+            "directives": CYTHON_DIRECTIVES,
+            "annotate": ANNOTATE,
+            "cython": cython_version,
+            "compiler": list(getattr(self.compiler, "compiler_so", []) or [])
+            or self.compiler.compiler_type,
+        }
+
+    def _options_changed(self, config):
+        """True (and remember config) when the options differ from the last build."""
+        stamp = os.path.join(self.build_temp, "mha_cy_build_options.json")
+        text = json.dumps(config, sort_keys=True, indent=1)
+        try:
+            with open(stamp) as f:
+                if f.read() == text:
+                    return False
+        except OSError:
+            pass
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(text)
+        return True
+
+    # -- building ---------------------------------------------------------------
+
+    def build_extensions(self):
+        # Runs once run() has set up self.compiler, which the probe needs.
+        config = self._configure()
+        if self._options_changed(config):
+            self.force = True
+        for ext in self.extensions:
+            ext.extra_compile_args = list(ext.extra_compile_args) + config["compile_args"]
+            ext.extra_link_args = list(ext.extra_link_args) + config["link_args"]
+            ext.define_macros = list(ext.define_macros) + config["macros"]
+        cythonized = cythonize(
+            self.extensions,
+            compiler_directives=CYTHON_DIRECTIVES,
+            annotate=ANNOTATE,
+            force=self.force,
+            nthreads=0,  # the C compilation below is the parallel part
+            quiet=True,
+        )
+        # Keep setuptools' Extension objects (finalize_options() annotated them);
+        # take only the .pyx -> .c source lists from Cython's copies.
+        generated = {ext.name: ext.sources for ext in cythonized}
+        for ext in self.extensions:
+            ext.sources = list(generated[ext.name])
+        super().build_extensions()
+
+    def build_extension(self, ext):
+        # src/*.c goes into every extension.  Compile it into a directory of its
+        # own per extension: with `-j` (default: one job per core) extensions are
+        # built concurrently, and objects shared through build_temp/src/ would be
+        # written by several compilers at once.
+        shared_c = set(_c_sources())
+        own = [s for s in ext.sources if s not in shared_c]
+        shared = [s for s in ext.sources if s in shared_c]
+        ext_path = self.get_ext_fullpath(ext.name)
+        if shared and (self.force or newer_group(ext.sources + ext.depends, ext_path, "newer")):
+            objects = self.compiler.compile(
+                shared,
+                output_dir=os.path.join(self.build_temp, "per_extension", ext.name),
+                macros=ext.define_macros,
+                include_dirs=ext.include_dirs,
+                debug=self.debug,
+                extra_postargs=ext.extra_compile_args,
+                depends=ext.depends,
+            )
+            ext.sources = own
+            ext.extra_objects = list(ext.extra_objects) + objects
+            ext.depends = list(ext.depends) + shared
+        super().build_extension(ext)
+
+
+setup(
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": BuildExt},
+)
