@@ -1,0 +1,93 @@
+"""What this installation of mha_cy is: build options, threads, BLAS, SIMD."""
+
+import platform
+import sys
+
+from ._cpu_features import build_flags, compiler_version, native_build, simd_level
+from ._openmp_helpers import openmp_enabled, openmp_max_threads
+from ._threads import _scipy_blas_info, get_num_threads
+from ._version import __version__
+
+__all__ = ["build_info", "format_build_info"]
+
+_BLAS_KEYS = ("internal_api", "version", "filepath", "threading_layer", "num_threads")
+
+
+def _blas_info():
+    """scipy's BLAS as threadpoolctl sees it, or "unknown"."""
+    try:
+        info = _scipy_blas_info()
+    except Exception:  # threadpoolctl failing must not break build_info()
+        info = None
+    if info is None:
+        return "unknown"
+    blas = {key: info.get(key) for key in _BLAS_KEYS}
+    if info.get("architecture"):
+        blas["architecture"] = info["architecture"]
+    return blas
+
+
+def build_info():
+    """Facts about this build and process, as a dict (for bug reports and tests).
+
+    Keys:
+      version        mha_cy version (str)
+      openmp         compiled and linked with OpenMP (bool); False: serial kernels
+      num_threads    threads the kernels use now: get_num_threads() (int)
+      max_threads    omp_get_max_threads() (int; 1 without OpenMP)
+      blas           scipy's BLAS, the one the kernels call (dict with internal_api,
+                     version, filepath, threading_layer, num_threads[, architecture]),
+                     or "unknown" when threadpoolctl cannot find it
+      simd           SIMD level the run-time dispatch picks on this CPU (str:
+                     "avx512f", "avx2", "sse2" or "generic")
+      native_build   built with MHA_CY_NATIVE=1 / -march=native (bool)
+      python, numpy, scipy   versions (str)
+      compiler       {"version": ..., "flags": extra C flags of the build} (dict)
+      platform       e.g. "Linux-6.1-x86_64" (str)
+    """
+    import numpy  # noqa: PLC0415
+    import scipy  # noqa: PLC0415
+
+    return {
+        "version": __version__,
+        "openmp": openmp_enabled(),
+        "num_threads": get_num_threads(),
+        "max_threads": openmp_max_threads(),
+        "blas": _blas_info(),
+        "simd": simd_level(),
+        "native_build": native_build(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+        "compiler": {"version": compiler_version(), "flags": build_flags()},
+        "platform": platform.platform(terse=True),
+    }
+
+
+def format_build_info(info=None):
+    """A few human-readable lines of build_info() (what ``python -m mha_cy`` prints)."""
+    if info is None:
+        info = build_info()
+    openmp = "yes" if info["openmp"] else "NO (serial kernels)"
+    native = ", native build (-march=native)" if info["native_build"] else ""
+    blas = info["blas"]
+    if isinstance(blas, dict):
+        blas_line = (
+            f"{blas.get('internal_api')} {blas.get('version')} "
+            f"({blas.get('threading_layer')}, {blas.get('num_threads')} threads) "
+            f"at {blas.get('filepath')}"
+        )
+    else:
+        blas_line = str(blas)
+    compiler = info.get("compiler") or {}
+    lines = [
+        f"mha_cy {info['version']}",
+        f"  OpenMP:   {openmp}; kernels use {info['num_threads']} thread(s), "
+        f"OpenMP max {info['max_threads']}",
+        f"  SIMD:     {info['simd']}{native}",
+        f"  BLAS:     {blas_line}",
+        f"  compiler: {compiler.get('version', 'unknown')}  {compiler.get('flags', '')}".rstrip(),
+        f"  python {info['python']}, numpy {info['numpy']}, scipy {info['scipy']}, "
+        f"{info.get('platform', sys.platform)}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""build_info() / format_build_info() report the real build."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import scipy
+
+from mha_cy._build_info import build_info, format_build_info
+from mha_cy._cpu_features import simd_level
+from mha_cy._openmp_helpers import openmp_enabled
+from mha_cy._threads import get_num_threads, threads
+from mha_cy._version import __version__
+
+# Builds made with MHA_CY_DISABLE_OPENMP=1 / MHA_CY_NATIVE=1 are tested with the
+# same variable set; any other build must have OpenMP and be portable.
+EXPECT_OPENMP = os.environ.get("MHA_CY_DISABLE_OPENMP", "0") in ("", "0")
+EXPECT_NATIVE = os.environ.get("MHA_CY_NATIVE", "0") not in ("", "0")
+
+KEYS = {
+    "version": str,
+    "openmp": bool,
+    "num_threads": int,
+    "max_threads": int,
+    "blas": (dict, str),
+    "simd": str,
+    "native_build": bool,
+    "python": str,
+    "numpy": str,
+    "scipy": str,
+    "compiler": dict,
+    "platform": str,
+}
+
+
+@pytest.fixture(scope="module")
+def info():
+    return build_info()
+
+
+def test_keys_and_types(info):
+    assert set(KEYS) <= set(info)
+    for key, expected_type in KEYS.items():
+        assert isinstance(info[key], expected_type), (key, info[key])
+
+
+def test_versions(info):
+    assert info["version"] == __version__
+    assert info["numpy"] == np.__version__
+    assert info["scipy"] == scipy.__version__
+    assert info["python"] == "%d.%d.%d" % sys.version_info[:3]
+
+
+def test_openmp(info):
+    assert info["openmp"] is EXPECT_OPENMP
+    assert info["openmp"] is openmp_enabled()
+    if info["openmp"]:
+        assert info["max_threads"] >= 1
+        assert "-fopenmp" in info["compiler"]["flags"].split() or os.name == "nt"
+    else:
+        assert info["max_threads"] == 1
+        assert "-fopenmp" not in info["compiler"]["flags"].split()
+
+
+def test_num_threads_is_live():
+    assert build_info()["num_threads"] == get_num_threads()
+    with threads(1):
+        assert build_info()["num_threads"] == 1
+
+
+def test_blas_is_scipys(info):
+    blas = info["blas"]
+    assert isinstance(blas, dict), blas
+    for key in ("internal_api", "version", "filepath", "threading_layer", "num_threads"):
+        assert key in blas
+    assert os.path.exists(blas["filepath"])
+    assert isinstance(blas["num_threads"], int) and blas["num_threads"] >= 1
+    # scipy's own BLAS, not numpy's (numpy's wheel BLAS is also *named* libscipy_openblas)
+    parts = os.path.dirname(os.path.realpath(blas["filepath"])).split(os.sep)
+    assert any(p == "scipy" or p.startswith("scipy.") for p in parts), blas["filepath"]
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def test_simd_level(info):
+    assert info["simd"] in ("avx512f", "avx2", "sse2", "generic")
+    assert info["simd"] == simd_level()
+    flags = _cpu_flags()
+    if flags is None or "sse2" not in flags:
+        pytest.skip("no x86 /proc/cpuinfo")
+    if "avx512f" in flags:
+        expected = "avx512f"
+    elif {"avx2", "fma"} <= flags:
+        expected = "avx2"
+    else:
+        expected = "sse2"
+    assert info["simd"] == expected
+
+
+def test_portable_flags(info):
+    flags = info["compiler"]["flags"].split()
+    assert info["native_build"] is EXPECT_NATIVE
+    assert ("-march=native" in flags) is EXPECT_NATIVE
+    assert "-ffast-math" not in flags  # IEEE inf/NaN semantics are relied upon
+    assert info["compiler"]["version"]
+
+
+def test_format_build_info(info):
+    text = format_build_info(info)
+    assert isinstance(text, str)
+    assert text.splitlines()[0] == f"mha_cy {__version__}"
+    assert "OpenMP" in text and "BLAS" in text and "SIMD" in text
+    assert info["simd"] in text
+    assert ("NO (serial" in text) is (not info["openmp"])
+    assert format_build_info().splitlines()[0] == text.splitlines()[0]
