@@ -41,6 +41,9 @@ cdef extern from "attention_tile.h" nogil:
     void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
     const char *mha_tile_simd_level()
 
+# Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
+cdef double MIN_FLOPS_PER_THREAD = 1e6
+
 # Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/); changed only
 # by _set_tile_sizes, for tuning and for the tests that results do not depend on them.
 cdef Py_ssize_t BLOCK_Q = 128
@@ -283,7 +286,11 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
                                else p.batch * p.q_heads * p.q_blocks)
     if n_tasks == 0:
         return out
-    cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks))
+    cdef double flops = 2.0 * p.batch * p.q_heads * p.q_len * p.k_len * (p.d + p.dv)
+    if p.causal:
+        flops /= 2
+    cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks,
+                                     <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
     cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else p.block_q
     cdef Py_ssize_t bk = p.block_k
     cdef const floating *q_ptr = &q[0, 0, 0, 0]

@@ -12,6 +12,8 @@ from ._cython_blas cimport _gemm, NoTrans, Trans
 
 # Column blocks narrower than this make BLAS inefficient: split rows instead.
 cdef Py_ssize_t MIN_COLS_PER_THREAD = 128
+# Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
+cdef double MIN_FLOPS_PER_THREAD = 1e6
 
 
 cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py_ssize_t ldw,
@@ -60,9 +62,12 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef const floating *w_ptr = &weight[0, 0]
     cdef floating *o_ptr = &out[0, 0]
     cdef Py_ssize_t ldx = max(K, 1), ldo = N
-    cdef bint by_columns = N >= MIN_COLS_PER_THREAD * n_threads or M < n_threads
+    cdef double flops = 2.0 * M * N * K
+    cdef Py_ssize_t n_useful = max(1, min(<Py_ssize_t> n_threads,
+                                          <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
+    cdef bint by_columns = N >= MIN_COLS_PER_THREAD * n_useful or M < n_useful
     cdef Py_ssize_t extent = N if by_columns else M
-    cdef Py_ssize_t n_blocks = max(1, min(<Py_ssize_t> n_threads, extent))
+    cdef Py_ssize_t n_blocks = min(n_useful, extent)
     # block size rounded up to 16 so column blocks start on cache-line-friendly offsets
     cdef Py_ssize_t block = (extent + n_blocks - 1) // n_blocks
     block = (block + 15) // 16 * 16
