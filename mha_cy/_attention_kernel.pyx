@@ -39,7 +39,6 @@ cdef extern from "attention_tile.h" nogil:
                              const unsigned char *pad, int n_valid)
     void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
     void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
-    const char *mha_tile_simd_level()
 
 # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
 cdef double MIN_FLOPS_PER_THREAD = 1e6
@@ -335,7 +334,3 @@ def _set_tile_sizes(block_q, block_k):
     BLOCK_Q, BLOCK_K = block_q, block_k
     return previous
 
-
-def simd_level():
-    """The SIMD level the softmax tiles run at on this CPU."""
-    return mha_tile_simd_level().decode()

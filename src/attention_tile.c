@@ -5,10 +5,10 @@
 #include "fast_exp.h"
 
 /* Run-time SIMD dispatch: gcc compiles each function once per level and an ifunc resolver picks
- * one at load time. A native build (-march=native) needs no clones. */
+ * one at load time (mha_simd_level() in cpu_features.c reports which). A native build
+ * (-march=native) needs no clones. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(MHA_CY_NATIVE_BUILD)
 #define MHA_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define MHA_HAVE_CLONES 1
 #else
 #define MHA_SIMD_CLONES
 #endif
@@ -28,19 +28,3 @@
 #undef REAL
 #undef SUFFIX
 #undef EXP
-
-const char *mha_tile_simd_level(void)
-{
-#if defined(MHA_HAVE_CLONES)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4"))
-        return "x86-64-v4";
-    if (__builtin_cpu_supports("x86-64-v3"))
-        return "x86-64-v3";
-    return "baseline";
-#elif defined(MHA_CY_NATIVE_BUILD)
-    return "native";
-#else
-    return "baseline";
-#endif
-}

@@ -43,10 +43,6 @@ void mha_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stri
 void mha_finish_row_f32(const float *acc, float l, float *out, int dv);
 void mha_finish_row_f64(const double *acc, double l, double *out, int dv);
 
-/* The SIMD level the functions above run at on this CPU: "x86-64-v4" (AVX-512),
- * "x86-64-v3" (AVX2 + FMA) or "baseline". */
-const char *mha_tile_simd_level(void);
-
 #ifdef __cplusplus
 }
 #endif

@@ -10,18 +10,20 @@
 
 const char *mha_simd_level(void)
 {
-#if MHA_HAVE_CPU_SUPPORTS
-    /* Needed only before constructors ran (e.g. in an ifunc resolver), harmless
-     * otherwise. */
+#if defined(MHA_CY_NATIVE_BUILD) && MHA_CY_NATIVE_BUILD
+    return "native";            /* -march=native: no run-time dispatch */
+#elif MHA_HAVE_CPU_SUPPORTS && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+    /* The same predicates as the ifunc resolvers of attention_tile.c's target_clones. Needed
+     * only before constructors ran (e.g. in an ifunc resolver), harmless otherwise. */
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        return "avx512f";
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("x86-64-v4"))
+        return "avx512";
+    if (__builtin_cpu_supports("x86-64-v3"))
         return "avx2";
-    if (__builtin_cpu_supports("sse2"))
-        return "sse2";
+    return "sse2";
+#else
+    return "generic";           /* no run-time dispatch with this compiler / architecture */
 #endif
-    return "generic";
 }
 
 int mha_native_build(void)

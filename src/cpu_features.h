@@ -10,10 +10,11 @@
 extern "C" {
 #endif
 
-/* The widest x86-64 SIMD level the run-time dispatch (gcc target_clones) will
- * pick on this CPU: "avx512f", "avx2" (AVX2 *and* FMA), "sse2" (the x86-64
- * baseline), or "generic" on other architectures / compilers without
- * __builtin_cpu_supports.  The string is static: never free it. */
+/* The SIMD level at which the run-time dispatch (gcc target_clones, see
+ * attention_tile.c) runs the kernels' C on this CPU: "avx512" (x86-64-v4:
+ * AVX-512 F/BW/CD/DQ/VL), "avx2" (x86-64-v3: AVX2, FMA, ...), "sse2" (the
+ * x86-64 baseline), "native" for a -march=native build (no dispatch), or
+ * "generic" where there is no dispatch.  Static string: never free it. */
 const char *mha_simd_level(void);
 
 /* 1 when built with MHA_CY_NATIVE=1 (-march=native, not portable), else 0. */

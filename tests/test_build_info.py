@@ -93,14 +93,17 @@ def _cpu_flags():
 
 
 def test_simd_level(info):
-    assert info["simd"] in ("avx512f", "avx2", "sse2", "generic")
+    assert info["simd"] in ("avx512", "avx2", "sse2", "native", "generic")
     assert info["simd"] == simd_level()
     flags = _cpu_flags()
     if flags is None or "sse2" not in flags:
         pytest.skip("no x86 /proc/cpuinfo")
-    if "avx512f" in flags:
-        expected = "avx512f"
-    elif {"avx2", "fma"} <= flags:
+    # the x86-64-v4 / v3 levels of gcc's target_clones
+    if EXPECT_NATIVE:
+        expected = "native"
+    elif {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
+        expected = "avx512"
+    elif {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"} <= flags:
         expected = "avx2"
     else:
         expected = "sse2"
