@@ -119,7 +119,7 @@ def check_attn_mask(mask, batch, heads, q_len, k_len, dtype):
 
 def check_scale(scale, head_dim):
     if scale is None:
-        return 1.0 / np.sqrt(head_dim)
+        return 1.0 / float(np.sqrt(head_dim))     # a Python float, like an explicit scale
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None; got {scale!r}")
     if not np.isfinite(scale):

@@ -24,7 +24,9 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)          # query head h reads key/value head h // group
     v = np.repeat(v, group, axis=1)
-    scores = (q @ k.swapaxes(-1, -2)) * scale
+    # float(): a NumPy float64 scale (1 / np.sqrt(D)) would promote float32 scores, and with
+    # them the output and weights, to float64 (NEP 50); the result must keep q's dtype.
+    scores = (q @ k.swapaxes(-1, -2)) * float(scale)
     allowed = np.ones(scores.shape, dtype=bool)
     if attn_mask is not None:
         if attn_mask.dtype == bool:
