@@ -238,8 +238,11 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     """
     cdef Problem p
     cdef Py_ssize_t isz = sizeof(floating)
-    # (a memoryview spec cannot say "only the last axis contiguous": check it here)
-    if not (q.strides[3] == k.strides[3] == v.strides[3] == out.strides[3] == isz):
+    # (a memoryview spec cannot say "only the last axis contiguous": check it here; the
+    # stride of an axis of length 1 is never used, and NumPy may report any value for it)
+    if not ((q.shape[3] == 1 or q.strides[3] == isz) and (k.shape[3] == 1 or k.strides[3] == isz)
+            and (v.shape[3] == 1 or v.strides[3] == isz)
+            and (out.shape[3] == 1 or out.strides[3] == isz)):
         raise ValueError("attention: q, k, v and out need a contiguous last axis")
     p.batch, p.q_heads, p.q_len, p.d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.k_len, p.dv = k.shape[1], k.shape[2], v.shape[3]
