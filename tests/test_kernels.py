@@ -1,0 +1,180 @@
+"""The compiled pieces on their own: the BLAS shim (_cython_blas), the threaded projection
+(_linear_kernel), and the softmax/exp of the attention kernel through the public API with
+extreme scores."""
+import numpy as np
+import pytest
+
+import mha_cy
+from mha_cy import reference
+from mha_cy._cython_blas import BLAS_Trans, _gemm_memview
+from mha_cy._linear_kernel import linear
+
+from conftest import DTYPES, RTOL, assert_close, make_pair
+
+NoTrans, Trans = BLAS_Trans.NoTrans, BLAS_Trans.Trans
+# A fused def function dispatches a Python float scalar to "double": pick the specialization by
+# name, as scikit-learn's test_cython_blas does.
+GEMM = {np.float32: _gemm_memview["float"], np.float64: _gemm_memview["double"]}
+
+
+# -- _cython_blas -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ta", [NoTrans, Trans], ids=["A", "At"])
+@pytest.mark.parametrize("tb", [NoTrans, Trans], ids=["B", "Bt"])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (3, 5, 7), (17, 4, 33), (64, 65, 2)])
+def test_gemm_memview(rng, dtype, ta, tb, m, n, k):
+    """C := alpha * op(A).op(B) + beta * C, row-major, against NumPy."""
+    A = rng.standard_normal((m, k) if ta == NoTrans else (k, m)).astype(dtype)
+    B = rng.standard_normal((k, n) if tb == NoTrans else (n, k)).astype(dtype)
+    C = rng.standard_normal((m, n)).astype(dtype)
+    opA = A if ta == NoTrans else A.T
+    opB = B if tb == NoTrans else B.T
+    for alpha, beta in ((1.0, 0.0), (0.5, 2.0), (-1.5, 1.0)):
+        out = C.copy()
+        GEMM[dtype](ta, tb, alpha, A, B, beta, out)
+        expected = alpha * (opA.astype(np.float64) @ opB) + beta * C.astype(np.float64)
+        assert_close(out, expected.astype(dtype), dtype, factor=10)
+
+
+def test_gemm_memview_beta_zero_ignores_nan():
+    """beta = 0 overwrites C (BLAS semantics): NaN already in C must not survive."""
+    A = np.ones((2, 3), np.float32)
+    C = np.full((2, 2), np.nan, np.float32)
+    GEMM[np.float32](NoTrans, Trans, 1.0, A, A, 0.0, C)
+    np.testing.assert_array_equal(C, 3)
+
+
+# -- _linear_kernel ---------------------------------------------------------------------------
+
+# linear() splits the output by columns when N >= 128 * threads (or M < threads), else by rows;
+# blocks are rounded up to 16.
+SHAPES = {
+    "columns": (5, 24, 300),       # M, K, N: wide N
+    "columns_few_rows": (1, 16, 40),  # M < threads: columns even though N is narrow
+    "rows": (70, 24, 40),
+    "rows_uneven": (33, 7, 100),
+    "tiny": (1, 1, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(rng, dtype, shape, n_threads, with_bias):
+    M, K, N = shape
+    x = rng.standard_normal((M, K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    bias = rng.standard_normal(N).astype(dtype) if with_bias else None
+    out = np.full((M, N), np.nan, dtype)                # every entry must be written
+    res = linear(x, w, bias, out, n_threads)
+    assert res is not None
+    expected = x.astype(np.float64) @ w.T.astype(np.float64)
+    if with_bias:
+        expected += bias
+    assert_close(out, expected.astype(dtype), dtype, factor=10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_same_result_any_thread_count(rng, dtype):
+    x = rng.standard_normal((70, 48)).astype(dtype)
+    w = rng.standard_normal((300, 48)).astype(dtype)
+    b = rng.standard_normal(300).astype(dtype)
+    outs = []
+    for n in (1, 2, 3, 7):
+        out = np.empty((70, 300), dtype)
+        linear(x, w, b, out, n)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=4 * np.finfo(dtype).eps,
+                                   atol=4 * np.finfo(dtype).eps * np.abs(outs[0]).max())
+
+
+def test_linear_rejects_inconsistent_shapes():
+    x, w = np.ones((3, 4)), np.ones((5, 4))
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        linear(x, w, None, np.empty((3, 6)), 1)
+    with pytest.raises(ValueError, match="bias"):
+        linear(x, w, np.ones(4), np.empty((3, 5)), 1)
+
+
+# -- softmax / exp with extreme scores ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_scale", [1e-6, 1.0, 30.0, 1e3])
+@pytest.mark.parametrize("q_len,k_len", [(1, 600), (70, 300)])
+def test_extreme_logits(rng, dtype, q_scale, q_len, k_len):
+    """Very large / small logits: the softmax is shift-invariant, so no overflow, no NaN."""
+    q = (rng.standard_normal((2, 4, q_len, 16)) * q_scale).astype(dtype)
+    k = rng.standard_normal((2, 2, k_len, 16)).astype(dtype)
+    v = rng.standard_normal((2, 2, k_len, 16)).astype(dtype)
+    out = mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert np.isfinite(out).all()
+    # logits of size 1e3 * |q||k| amplify the rounding of the scores themselves: the scores
+    # are the same products in another summation order, so allow a tolerance that grows with
+    # the logit size (in float32 a score of 1e4 is only known to ~1e-3)
+    factor = 1.0 if q_scale <= 1 else q_scale * 50
+    assert_close(out, expected, dtype, factor=factor)
+    # a convex combination of the rows of v
+    assert (np.abs(out) <= np.abs(v).max(axis=2, keepdims=True).max(axis=1)[:, None] * 1.0001
+            ).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("big", [-np.inf, -1e30, -1e4, np.finfo(np.float32).min])
+def test_extreme_additive_masks(rng, dtype, big):
+    """-inf, -1e30, the most negative float32: masked keys get weight 0, fully masked rows
+    give zeros for -inf and a uniform average for finite values (as the reference does)."""
+    q_len, k_len = 70, 520
+    q = rng.standard_normal((2, 4, q_len, 16)).astype(dtype)
+    k = rng.standard_normal((2, 2, k_len, 16)).astype(dtype)
+    v = rng.standard_normal((2, 2, k_len, 16)).astype(dtype)
+    mask = np.where(rng.random((2, 1, q_len, k_len)) < 0.5, big, 0.0)
+    mask[0, 0, 3] = big                              # a fully masked row
+    mask[1, 0, :, :300] = big                        # whole leading key tiles masked
+    for is_causal in (False, True):
+        out = mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        expected = reference.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                          is_causal=is_causal)
+        assert np.isfinite(expected).all()
+        assert_close(out, expected, dtype)
+    if big == -np.inf:
+        np.testing.assert_array_equal(out[0, :, 3], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_values_through_the_module(rng, dtype):
+    """Large inputs through MultiHeadAttention with -inf/-1e30 masks and weights."""
+    fast, ref = make_pair(rng, 16, 4, dtype, num_kv_heads=2)
+    x = (rng.standard_normal((2, 300, 16)) * 30).astype(dtype)
+    mask = np.where(rng.random((300, 300)) < 0.3, -1e30, 0.0)
+    mask[5] = -np.inf
+    out, w = fast(x, attn_mask=mask, is_causal=True, need_weights=True)
+    out_r, w_r = ref(x, attn_mask=mask, is_causal=True, need_weights=True)
+    assert np.isfinite(out).all() and np.isfinite(w).all()
+    np.testing.assert_array_equal(w[:, :, 5], 0)
+    scale = np.abs(out_r).max()
+    tol = 200 * RTOL[dtype]
+    np.testing.assert_allclose(out, out_r, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(w, w_r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_precision_of_the_vectorized_exp(rng, dtype):
+    """Scores spread over the whole useful exp range: weights are exact to a few ulps."""
+    k_len = 700
+    # scores s_j = q . k_j: make q a unit vector and k_j = t_j * q with t_j spread in [-80, 0]
+    q = np.zeros((1, 1, 1, 4), dtype)
+    q[..., 0] = 1
+    t = np.linspace(-80, 0, k_len) if dtype == np.float32 else np.linspace(-700, 0, k_len)
+    k = np.zeros((1, 1, k_len, 4), dtype)
+    k[0, 0, :, 0] = t
+    t = k[0, 0, :, 0].astype(np.float64)                  # the scores the kernel sees, exactly
+    v = np.eye(k_len, dtype=dtype)[None, None]            # the output is the weights row
+    out = mha_cy.scaled_dot_product_attention(q, k, v, scale=1.0)
+    expected = np.exp(t - t.max()) / np.exp(t - t.max()).sum()
+    big = expected > np.finfo(dtype).tiny * 1e3
+    np.testing.assert_allclose(out[0, 0, 0][big], expected[big], rtol=8 * np.finfo(dtype).eps)
+    assert (out[0, 0, 0][~big] <= np.finfo(dtype).tiny * 1e4).all()

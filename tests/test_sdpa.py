@@ -1,0 +1,213 @@
+"""mha_cy.scaled_dot_product_attention against mha_cy.reference.scaled_dot_product_attention."""
+import numpy as np
+import pytest
+
+import mha_cy
+from mha_cy import reference
+
+from conftest import DTYPES, assert_close, random_bool_mask, random_float_mask
+
+
+def qkv(rng, dtype, B, Hq, Hkv, q_len, k_len, D, Dv=None):
+    Dv = D if Dv is None else Dv
+    return (rng.standard_normal((B, Hq, q_len, D)).astype(dtype),
+            rng.standard_normal((B, Hkv, k_len, D)).astype(dtype),
+            rng.standard_normal((B, Hkv, k_len, Dv)).astype(dtype))
+
+
+def check(q, k, v, dtype=None, **kwargs):
+    out = mha_cy.scaled_dot_product_attention(q, k, v, **kwargs)
+    expected = reference.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert out.dtype == expected.dtype
+    if dtype is not None:
+        assert out.dtype == dtype
+    assert_close(out, expected)
+    return expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (4, 1), (6, 3), (6, 2)])
+@pytest.mark.parametrize("q_len,k_len", [(1, 1), (1, 37), (5, 5), (70, 130), (130, 70)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gqa_mqa(rng, dtype, Hq, Hkv, q_len, k_len, is_causal):
+    q, k, v = qkv(rng, dtype, 2, Hq, Hkv, q_len, k_len, 16)
+    out = check(q, k, v, dtype, is_causal=is_causal)
+    # GQA = MHA with each K/V head repeated for its group of query heads
+    group = Hq // Hkv
+    repeated = mha_cy.scaled_dot_product_attention(q, np.repeat(k, group, 1),
+                                                   np.repeat(v, group, 1), is_causal=is_causal)
+    assert_close(repeated, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,Dv", [(8, 24), (24, 8), (1, 5), (80, 128)])
+def test_value_head_dim_differs(rng, dtype, D, Dv):
+    q, k, v = qkv(rng, dtype, 2, 4, 2, 9, 300, D, Dv)
+    out = check(q, k, v, dtype)
+    assert out.shape == (2, 4, 9, Dv)
+    check(q[:, :, :1], k, v, dtype)                 # decode path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [0.01, 1.0, 3.5, -0.5])
+def test_custom_scale(rng, dtype, scale):
+    q, k, v = qkv(rng, dtype, 1, 2, 2, 7, 11, 8)
+    out = check(q, k, v, dtype, scale=scale)
+    default = mha_cy.scaled_dot_product_attention(q, k, v)
+    explicit = mha_cy.scaled_dot_product_attention(q, k, v, scale=1 / np.sqrt(8))
+    assert_close(explicit, default)
+    assert np.abs(out - default).max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", [(9, 300), (2, 9, 300), (2, 4, 9, 300), (1, 300), (9, 1),
+                                   (2, 1, 1, 300), (1, 4, 9, 300), (2, 4, 1, 300)], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_masks(rng, dtype, kind, shape, is_causal):
+    q, k, v = qkv(rng, dtype, 2, 4, 2, 9, 300, 16)
+    mask = (random_bool_mask(rng, shape, 0.8) if kind == "bool"
+            else random_float_mask(rng, shape, 0.1))
+    check(q, k, v, dtype, attn_mask=mask, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len,k_len", [(1, 9), (4, 9), (9, 9), (9, 4), (65, 300), (300, 65)])
+def test_causal_bottom_right(rng, dtype, q_len, k_len):
+    q, k, v = qkv(rng, dtype, 2, 2, 1, q_len, k_len, 8)
+    out = check(q, k, v, dtype, is_causal=True)
+    i, j = np.ogrid[:q_len, :k_len]
+    bottom_right = j <= i + (k_len - q_len)
+    explicit = mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=bottom_right)
+    assert_close(explicit, out)
+    if q_len > k_len:
+        np.testing.assert_array_equal(out[:, :, :q_len - k_len], 0)
+        np.testing.assert_array_equal(
+            mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, :q_len - k_len], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("k_len", [1, 5, 300, 600])
+def test_decode_grouped_heads_per_head_masks(rng, dtype, Hq, Hkv, kind, k_len):
+    """Lq = 1 with grouped heads: the kernel runs a group's query heads together against the
+    shared K/V head; every head of a group must still get its own mask row."""
+    q, k, v = qkv(rng, dtype, 3, Hq, Hkv, 1, k_len, 16)
+    shape = (3, Hq, 1, k_len)
+    mask = (random_bool_mask(rng, shape, 0.6) if kind == "bool"
+            else random_float_mask(rng, shape, 0.3) * 3)
+    if kind == "bool":
+        mask[0, 1] = False                      # one head of a group sees nothing
+        mask[0, 0, 0, 0] = True                 # its neighbour sees something
+    out = check(q, k, v, dtype, attn_mask=mask)
+    if kind == "bool":
+        np.testing.assert_array_equal(
+            mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=mask)[0, 1], 0)
+    # head by head, as separate single-head problems
+    fast = mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    group = Hq // Hkv
+    for h in range(Hq):
+        one = mha_cy.scaled_dot_product_attention(
+            q[:, h:h + 1], k[:, h // group:h // group + 1], v[:, h // group:h // group + 1],
+            attn_mask=mask[:, h:h + 1])
+        assert_close(fast[:, h:h + 1], one, err_msg=f"head {h}")
+    assert_close(out, fast)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len", [1, 7, 100])
+def test_long_keys(rng, dtype, q_len):
+    """Lk = 1000: several 256-key tiles (the last one partial), causal and padding."""
+    B, Hq, Hkv, k_len = 2, 4, 2, 1000
+    q, k, v = qkv(rng, dtype, B, Hq, Hkv, q_len, k_len, 32)
+    pad = rng.random((B, 1, 1, k_len)) > 0.3        # bool "may attend": padding as a mask
+    pad[1, ..., 600:] = False                       # sequence 1 is 600 long
+    check(q, k, v, dtype)
+    check(q, k, v, dtype, is_causal=True)
+    check(q, k, v, dtype, attn_mask=pad)
+    check(q, k, v, dtype, attn_mask=pad, is_causal=True)
+    fmask = random_float_mask(rng, (q_len, k_len), 0.5)
+    fmask[:, :512] = -np.inf                        # the first two tiles fully masked
+    check(q, k, v, dtype, attn_mask=fmask, is_causal=True)
+
+
+@pytest.mark.parametrize("dtypes", [(np.float32, np.float32, np.float64),
+                                    (np.float64, np.float32, np.float32),
+                                    (np.float32, np.float64, np.float32),
+                                    (np.float16, np.float32, np.float32),
+                                    (np.int64, np.float32, np.float32)], ids=str)
+def test_mixed_dtypes(rng, dtypes):
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8)))
+    q, k, v = (a.astype(d) for a, d in zip((q, k, v), dtypes))
+    expected_dtype = np.float64 if np.float64 in dtypes else np.float32
+    out = check(q, k, v, expected_dtype, attn_mask=random_float_mask(rng, (5, 6), 0.2))
+    assert out.dtype == expected_dtype
+    # the float64 result is computed in float64 (not rounded through float32)
+    if expected_dtype == np.float64:
+        ref64 = reference.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)))
+        assert_close(mha_cy.scaled_dot_product_attention(q, k, v), ref64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_inputs(rng, dtype):
+    B, L, Hq, Hkv, D = 2, 9, 4, 2, 8
+    packed = rng.standard_normal((B, L, (Hq + 2 * Hkv) * D)).astype(dtype)   # a fused QKV
+    heads = packed.reshape(B, L, Hq + 2 * Hkv, D).transpose(0, 2, 1, 3)
+    q, k, v = heads[:, :Hq], heads[:, Hq:Hq + Hkv], heads[:, Hq + Hkv:]
+    expected = reference.scaled_dot_product_attention(*(np.ascontiguousarray(a)
+                                                        for a in (q, k, v)), is_causal=True)
+    assert_close(mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
+    for f in (np.asfortranarray, lambda a: a[..., ::-1][..., ::-1],
+              lambda a: np.repeat(a, 2, axis=-1)[..., ::2]):
+        out = mha_cy.scaled_dot_product_attention(f(q), f(k), f(v), is_causal=True)
+        assert_close(out, expected)
+    # broadcast (zero-stride) operands and read-only arrays
+    q1 = np.broadcast_to(q[:, :, :1], q.shape)
+    assert_close(mha_cy.scaled_dot_product_attention(q1, k, v),
+                 reference.scaled_dot_product_attention(np.ascontiguousarray(q1), k, v))
+    ro = [np.array(a) for a in (q, k, v)]
+    for a in ro:
+        a.setflags(write=False)
+    assert_close(mha_cy.scaled_dot_product_attention(*ro, is_causal=True), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dim_1_fortran_contiguous_operands(rng, dtype):
+    """BUG (kernel): a (1, H, L, 1) operand whose NumPy strides have a contiguous last axis but
+    that is also F-contiguous is exported by the buffer protocol with the F strides (stride of
+    the size-1 last axis = H*L*itemsize); _blas_operand does not copy it (its NumPy strides
+    are fine) and the kernel raises "q, k, v and out need a contiguous last axis".
+    Reproduction: q = np.ones((1, 3, 2, 1)).transpose(0, 2, 1, 3);
+    mha_cy.scaled_dot_product_attention(q, q, q)."""
+    q = np.ascontiguousarray(rng.standard_normal((1, 3, 2, 1)).astype(dtype)).transpose(0, 2, 1, 3)
+    assert q.flags.f_contiguous and q.strides[3] == q.itemsize
+    expected = reference.scaled_dot_product_attention(q, q, q)
+    try:
+        out = mha_cy.scaled_dot_product_attention(q, q, q)
+    except ValueError as exc:
+        pytest.fail(f"head_dim=1 F-contiguous q/k/v rejected by the kernel: {exc}")
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_bitwise(rng, dtype):
+    q, k, v = qkv(rng, dtype, 2, 4, 2, 130, 300, 16)
+    mask = random_float_mask(rng, (2, 4, 130, 300), 0.1)
+    results = []
+    for n in (1, 2, 3):
+        with mha_cy.threads(n):
+            results.append((mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                            mha_cy.scaled_dot_product_attention(q[:, :, :1], k, v)))
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_empty_shapes(rng):
+    q, k, v = qkv(rng, np.float32, 2, 4, 2, 3, 0, 8, 5)
+    out = mha_cy.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 4, 3, 5)
+    np.testing.assert_array_equal(out, 0)
+    q, k, v = qkv(rng, np.float64, 0, 4, 2, 3, 4, 8)
+    assert mha_cy.scaled_dot_product_attention(q, k, v).shape == (0, 4, 3, 8)
