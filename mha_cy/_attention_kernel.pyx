@@ -64,10 +64,14 @@ cdef struct Problem:
 
 cdef struct Task:
     Py_ssize_t b, h0, i0, rows, dh, di, kv_head, k_end
+    # element offsets of the task's first row in each operand (mask: -1 when there is none)
+    Py_ssize_t q_off, k_off, v_off, o_off, w_off, m_off, pad_off
+    # element strides from one row of the task to the next (BLAS leading dimensions)
+    Py_ssize_t q_rs, o_rs, w_rs, m_rs
 
 
 cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogil:
-    """Which rows task t covers and how far along the keys they may look."""
+    """Which rows task t covers, where they are, and how far along the keys they may look."""
     cdef Py_ssize_t rem, last_i
     if p.heads_as_rows:
         task.b = t // p.kv_heads
@@ -90,6 +94,20 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
     if p.causal:
         last_i = task.i0 + (task.rows - 1) * task.di
         task.k_end = max(<Py_ssize_t> 0, min(p.k_len, last_i + p.causal_offset + 1))
+
+    task.q_off = task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
+    task.k_off = task.b * p.kb + task.kv_head * p.kh
+    task.v_off = task.b * p.vb + task.kv_head * p.vh
+    task.o_off = task.b * p.ob + task.h0 * p.oh + task.i0 * p.ol
+    task.w_off = task.b * p.wb + task.h0 * p.wh + task.i0 * p.wl
+    task.m_off = task.b * p.mb + task.h0 * p.mh + task.i0 * p.ml
+    task.pad_off = task.b * p.pb
+    task.q_rs = task.dh * p.qh + task.di * p.ql
+    task.o_rs = task.dh * p.oh + task.di * p.ol
+    task.w_rs = task.dh * p.wh + task.di * p.wl
+    task.m_rs = task.dh * p.mh + task.di * p.ml
+    if task.rows == 1:   # BLAS wants leading dimensions >= the row length, even for one row
+        task.q_rs, task.o_rs, task.w_rs = p.d, p.dv, p.k_len
 
 
 cdef inline Py_ssize_t _n_valid(const Problem *p, const Task *task, Py_ssize_t r,
@@ -139,21 +157,12 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
     cdef Task task
     _task(p, t, &task)
     cdef Py_ssize_t r, j0, nk
-    cdef Py_ssize_t q_rs = task.dh * p.qh + task.di * p.ql
-    cdef Py_ssize_t o_rs = task.dh * p.oh + task.di * p.ol
-    cdef Py_ssize_t m_rs = task.dh * p.mh + task.di * p.ml
-    cdef const floating *q0 = q + task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
-    cdef const floating *k0 = k + task.b * p.kb + task.kv_head * p.kh
-    cdef const floating *v0 = v + task.b * p.vb + task.kv_head * p.vh
-    cdef floating *o0 = out + task.b * p.ob + task.h0 * p.oh + task.i0 * p.ol
-    cdef const floating *m0 = NULL
-    cdef const unsigned char *pad_row = NULL
-    if mask != NULL:
-        m0 = mask + task.b * p.mb + task.h0 * p.mh + task.i0 * p.ml
-    if pad != NULL:
-        pad_row = pad + task.b * p.pb
-    if task.rows == 1:
-        q_rs = p.d       # BLAS wants a leading dimension >= the row length, even for one row
+    cdef const floating *q0 = q + task.q_off
+    cdef const floating *k0 = k + task.k_off
+    cdef const floating *v0 = v + task.v_off
+    cdef floating *o0 = out + task.o_off
+    cdef const floating *m0 = NULL if mask == NULL else mask + task.m_off
+    cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
 
     memset(acc, 0, task.rows * p.dv * sizeof(floating))
     for r in range(task.rows):
@@ -162,11 +171,11 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
     j0 = 0
     while j0 < task.k_end:
         nk = min(p.block_k, task.k_end - j0)
-        _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> q_rs,
+        _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> task.q_rs,
               k0 + j0 * p.kl, <int> p.kl, <floating> 0, scores, <int> p.block_k)
         for r in range(task.rows):
             _row_softmax_online(scores + r * p.block_k, nk,
-                                NULL if m0 == NULL else m0 + r * m_rs + j0 * p.mk, p.mk,
+                                NULL if m0 == NULL else m0 + r * task.m_rs + j0 * p.mk, p.mk,
                                 NULL if pad_row == NULL else pad_row + j0,
                                 _n_valid(p, &task, r, j0, nk),
                                 &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
@@ -174,7 +183,7 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
               <int> p.block_k, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
         j0 += nk
     for r in range(task.rows):
-        _row_finish(acc + r * p.dv, row_sum[r], o0 + r * o_rs, p.dv)
+        _row_finish(acc + r * p.dv, row_sum[r], o0 + r * task.o_rs, p.dv)
 
 
 cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
@@ -185,25 +194,14 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
     cdef Task task
     _task(p, t, &task)
     cdef Py_ssize_t r
-    cdef Py_ssize_t q_rs = task.dh * p.qh + task.di * p.ql
-    cdef Py_ssize_t o_rs = task.dh * p.oh + task.di * p.ol
-    cdef Py_ssize_t w_rs = task.dh * p.wh + task.di * p.wl
-    cdef Py_ssize_t m_rs = task.dh * p.mh + task.di * p.ml
-    cdef const floating *q0 = q + task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
-    cdef const floating *k0 = k + task.b * p.kb + task.kv_head * p.kh
-    cdef const floating *v0 = v + task.b * p.vb + task.kv_head * p.vh
-    cdef floating *o0 = out + task.b * p.ob + task.h0 * p.oh + task.i0 * p.ol
-    cdef floating *w0 = weights + task.b * p.wb + task.h0 * p.wh + task.i0 * p.wl
-    cdef const floating *m0 = NULL
-    cdef const unsigned char *pad_row = NULL
-    if mask != NULL:
-        m0 = mask + task.b * p.mb + task.h0 * p.mh + task.i0 * p.ml
-    if pad != NULL:
-        pad_row = pad + task.b * p.pb
-    if task.rows == 1:
-        q_rs = p.d
-        w_rs = p.k_len
-        o_rs = p.dv
+    cdef Py_ssize_t q_rs = task.q_rs, o_rs = task.o_rs, w_rs = task.w_rs, m_rs = task.m_rs
+    cdef const floating *q0 = q + task.q_off
+    cdef const floating *k0 = k + task.k_off
+    cdef const floating *v0 = v + task.v_off
+    cdef floating *o0 = out + task.o_off
+    cdef floating *w0 = weights + task.w_off
+    cdef const floating *m0 = NULL if mask == NULL else mask + task.m_off
+    cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
 
     for r in range(task.rows):
         memset(w0 + r * w_rs + task.k_end, 0, (p.k_len - task.k_end) * sizeof(floating))
