@@ -1,0 +1,411 @@
+"""The implementations compared by the benchmarks, each behind one small interface.
+
+``prepare(workload, data, threads)`` builds everything a call needs (modules, sessions, tensors,
+prefilled caches) outside the timing and returns a ``Prepared``: ``run(*args)`` is the one call that
+is timed, ``setup()`` (optional) makes the fresh per-round state that a stateful call consumes (a
+KV cache that the step appends to), and ``to_numpy`` turns the result into an array in the
+baseline's layout for the output check.
+
+- ``numpy``: ``mha_cy.reference``, the pure-NumPy baseline (and the oracle of the output checks).
+- ``mha_cy``: this library.
+- ``torch_sdpa``: ``F.linear`` + ``F.scaled_dot_product_attention`` + ``F.linear``, in
+  ``torch.inference_mode()``; GQA through ``enable_gqa=True`` (no repeated K/V).
+- ``torch_mha``: ``nn.MultiheadAttention(batch_first=True)``, ``need_weights=False``; it has no
+  grouped KV heads, so it sits out the GQA workloads.
+- ``onnxruntime``: an ONNX graph built with ``onnx.helper``: MatMul projections around the
+  ``com.microsoft`` ``MultiHeadAttention`` contrib op (MHA workloads) or ``GroupQueryAttention``
+  (GQA workloads, with the KV cache shared between ``past_*`` and ``present_*`` through IOBinding,
+  as ORT's generation loop does, so no cache copy is timed).
+
+Peers that are not importable are reported as unavailable (the tests skip with the reason).
+All implementations run with the same thread count: ``thread_limits(n)`` sets NumPy's BLAS and
+every OpenMP runtime (threadpoolctl), ``torch.set_num_threads`` and ``mha_cy.threads``; ORT gets
+``intra_op_num_threads = n`` (and ``inter_op_num_threads = 1``) in its session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import threadpoolctl
+
+import mha_cy
+import mha_cy.reference
+
+# Peers are imported here, at collection time, before any thread limit is entered, so that
+# threadpoolctl sees their BLAS/OpenMP libraries.
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    torch = None
+    _TORCH_ERROR = f"torch is not importable ({exc})"
+try:
+    import onnx
+    import onnx.helper
+    import onnx.numpy_helper
+    import onnxruntime as ort
+except ImportError as exc:  # pragma: no cover
+    ort = None
+    _ORT_ERROR = f"onnxruntime/onnx is not importable ({exc})"
+
+PREFILL_CHUNK = 256  # tokens per prefill call (bounds the baseline's Lq x Lk score tensor)
+
+
+@contextlib.contextmanager
+def thread_limits(n: int):
+    """Run everything inside with ``n`` threads: BLAS, OpenMP, torch and mha_cy."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(threadpoolctl.threadpool_limits(limits=n))
+        if torch is not None:
+            old = torch.get_num_threads()
+            torch.set_num_threads(n)
+            stack.callback(torch.set_num_threads, old)
+        stack.enter_context(mha_cy.threads(n))
+        yield
+
+
+@dataclasses.dataclass
+class Prepared:
+    run: Callable[..., Any]
+    setup: Callable[[], tuple] | None = None  # -> (args, kwargs), fresh state for one round
+    to_numpy: Callable[[Any], np.ndarray] = np.asarray
+    notes: str = ""
+
+    def call_once(self):
+        args, kwargs = self.setup() if self.setup is not None else ((), {})
+        return self.to_numpy(self.run(*args, **kwargs))
+
+
+class Implementation:
+    name = ""
+    threads_at_prepare = False  # True: the prepared object depends on the thread count
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def unsupported(self, w) -> str | None:
+        return None
+
+    def prepare(self, w, data: dict, threads: int) -> Prepared:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# mha_cy and its NumPy reference: the same API
+
+
+class _MhaCyAPI(Implementation):
+    module: Any = None
+
+    def _from_weights(self, w, d):
+        return self.module.MultiHeadAttention.from_weights(
+            d["wq"], d["wk"], d["wv"], d["wo"], num_heads=w.Hq, num_kv_heads=w.Hkv,
+            q_bias=d["bq"], k_bias=d["bk"], v_bias=d["bv"], out_bias=d["bo"])
+
+    def prepare(self, w, d, threads):
+        if w.kind == "sdpa":
+            sdpa = self.module.scaled_dot_product_attention
+            q, k, v = d["q"], d["k"], d["v"]
+            return Prepared(lambda: sdpa(q, k, v), notes="scaled_dot_product_attention, GQA K/V as is")
+        mha = self._from_weights(w, d)
+        if w.kind == "mha":
+            x, kpm, causal = d["x"], d["kpm"], w.causal
+            return Prepared(lambda: mha(x, key_padding_mask=kpm, is_causal=causal),
+                            notes="MultiHeadAttention.from_weights(...)(x, key_padding_mask=, is_causal=)")
+        # decode: prefill a cache through the API, then time one step; the cache is rewound per round
+        cache = mha.new_cache(w.B, w.Lk)
+        prompt = d["prompt"]
+        for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+            mha(prompt[:, start:start + PREFILL_CHUNK], cache=cache)
+        x, prefilled = d["x"], w.Lk - 1
+        if hasattr(cache, "truncate"):
+            # the public rewind: forget the step's token, O(1), in pedantic setup (not timed)
+            def setup():
+                cache.truncate(prefilled)
+                return (cache,), {}
+            how = "cache.truncate(%d) before each round" % prefilled
+        else:
+            def setup():
+                return (copy.deepcopy(cache),), {}
+            how = "a fresh copy of the prefilled cache per round"
+        return Prepared(lambda c: mha(x, cache=c), setup=setup,
+                        notes=f"mha(x_step, cache=c), c prefilled with {prefilled} tokens through "
+                              f"the API; {how} (pedantic setup, not timed)")
+
+
+class NumpyBaseline(_MhaCyAPI):
+    name = "numpy"
+    module = mha_cy.reference
+
+
+class MhaCy(_MhaCyAPI):
+    name = "mha_cy"
+    module = mha_cy
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch
+
+
+def _t(a):
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+
+
+class _Torch(Implementation):
+    def unavailable(self):
+        return None if torch is not None else _TORCH_ERROR
+
+
+class TorchSDPA(_Torch):
+    name = "torch_sdpa"
+
+    def prepare(self, w, d, threads):
+        B, Hq, Hkv, D = w.B, w.Hq, w.Hkv, w.D
+        if w.kind == "sdpa":
+            q, k, v = _t(d["q"]), _t(d["k"]), _t(d["v"])
+            gqa = Hq != Hkv
+
+            @torch.inference_mode()
+            def run():
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return Prepared(run, to_numpy=lambda o: o.numpy(),
+                            notes="F.scaled_dot_product_attention(enable_gqa=True)")
+
+        wq, wk, wv, wo = (_t(d[n]) for n in ("wq", "wk", "wv", "wo"))
+        bq, bk, bv, bo = (_t(d[n]) for n in ("bq", "bk", "bv", "bo"))
+        x = _t(d["x"])
+        if w.kind == "mha":
+            L, E, causal = w.Lq, w.E, w.causal
+            # bool attn_mask: True = may attend (F.sdpa's convention); built once, outside the timing
+            mask = None if d["kpm"] is None else _t(~d["kpm"])[:, None, None, :]
+
+            @torch.inference_mode()
+            def run():
+                q = F.linear(x, wq, bq).view(B, L, Hq, D).transpose(1, 2)
+                k = F.linear(x, wk, bk).view(B, L, Hkv, D).transpose(1, 2)
+                v = F.linear(x, wv, bv).view(B, L, Hkv, D).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+                return F.linear(o.transpose(1, 2).reshape(B, L, Hq * D), wo, bo)
+            return Prepared(run, to_numpy=lambda o: o.numpy(),
+                            notes="F.linear x3 + F.scaled_dot_product_attention + F.linear"
+                                  + ("; key padding as a bool attn_mask (B,1,1,L)" if mask is not None else ""))
+
+        # decode: a preallocated cache holding the prompt's K/V; the step writes its K/V at
+        # position P (the same values every round, so rounds need no reset) and attends over P+1.
+        P = w.Lk - 1
+        kc = torch.zeros(B, Hkv, w.Lk, D)
+        vc = torch.zeros(B, Hkv, w.Lk, D)
+        kc[:, :, :P] = _t(d["k_prefix"])
+        vc[:, :, :P] = _t(d["v_prefix"])
+
+        @torch.inference_mode()
+        def run():
+            q = F.linear(x, wq, bq).view(B, 1, Hq, D).transpose(1, 2)
+            kc[:, :, P:P + 1] = F.linear(x, wk, bk).view(B, 1, Hkv, D).transpose(1, 2)
+            vc[:, :, P:P + 1] = F.linear(x, wv, bv).view(B, 1, Hkv, D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, kc[:, :, :P + 1], vc[:, :, :P + 1], enable_gqa=True)
+            return F.linear(o.transpose(1, 2).reshape(B, 1, Hq * D), wo, bo)
+        return Prepared(run, to_numpy=lambda o: o.numpy(),
+                        notes="F.linear x3, K/V written into a preallocated cache, "
+                              "F.scaled_dot_product_attention(enable_gqa=True), F.linear")
+
+
+class TorchMHA(_Torch):
+    name = "torch_mha"
+
+    def unsupported(self, w):
+        if w.kind != "mha" or w.Hq != w.Hkv:
+            return "nn.MultiheadAttention has no grouped KV heads (GQA) nor a KV cache"
+        return None
+
+    def prepare(self, w, d, threads):
+        E, causal = w.E, w.causal
+        m = torch.nn.MultiheadAttention(E, w.Hq, bias=True, batch_first=True)
+        with torch.no_grad():
+            m.in_proj_weight.copy_(_t(np.concatenate([d["wq"], d["wk"], d["wv"]])))
+            m.in_proj_bias.copy_(_t(np.concatenate([d["bq"], d["bk"], d["bv"]])))
+            m.out_proj.weight.copy_(_t(d["wo"]))
+            m.out_proj.bias.copy_(_t(d["bo"]))
+        m.eval()
+        x = _t(d["x"])
+        kpm = _t(d["kpm"])  # bool, True = padding: the same convention as ours
+        # nn.MultiheadAttention's bool attn_mask is True = NOT allowed (the opposite of F.sdpa's)
+        attn_mask = torch.triu(torch.ones(w.Lq, w.Lk, dtype=torch.bool), 1) if causal else None
+
+        @torch.inference_mode()
+        def run():
+            return m(x, x, x, key_padding_mask=kpm, need_weights=False, attn_mask=attn_mask,
+                     is_causal=causal)[0]
+        return Prepared(run, to_numpy=lambda o: o.numpy(),
+                        notes="nn.MultiheadAttention(batch_first=True), need_weights=False")
+
+
+# --------------------------------------------------------------------------------------------
+# onnxruntime
+
+
+def _ort_session(model, threads):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _make_model(nodes, inputs, outputs, initializers):
+    h = onnx.helper
+    graph = h.make_graph(nodes, "attention", inputs, outputs, initializers)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+    model.ir_version = min(model.ir_version, 10)
+    return model
+
+
+def _tensor(name, elem, shape):
+    return onnx.helper.make_tensor_value_info(name, elem, shape)
+
+
+class OnnxRuntime(Implementation):
+    name = "onnxruntime"
+    threads_at_prepare = True
+
+    def unavailable(self):
+        return None if ort is not None else _ORT_ERROR
+
+    def prepare(self, w, d, threads):
+        if w.kind == "mha":
+            return self._prepare_mha(w, d, threads)
+        return self._prepare_gqa(w, d, threads)
+
+    def _prepare_mha(self, w, d, threads):
+        """x -> MatMul(Wq^T), MatMul(Wk^T), MatMul(Wv^T) -> MultiHeadAttention(q, k, v, bias=[bq bk bv],
+        key_padding_mask) -> MatMul(Wo^T) -> Add(bo).
+
+        The contrib op adds the projection biases itself (its ``bias`` input). Key padding mask:
+        int32 (B, Lk), **1 = keep, 0 = padding** (the opposite polarity to ours). Causal:
+        ``unidirectional=1`` (Lq == Lk here, so top-left and bottom-right alignment agree).
+        """
+        T = onnx.TensorProto
+        nh = onnx.numpy_helper
+        inits = [nh.from_array(np.ascontiguousarray(d[n].T), n + "_t") for n in ("wq", "wk", "wv", "wo")]
+        inits += [nh.from_array(np.concatenate([d["bq"], d["bk"], d["bv"]]), "bqkv"), nh.from_array(d["bo"], "bo")]
+        mk = onnx.helper.make_node
+        nodes = [mk("MatMul", ["x", f"w{c}_t"], [c]) for c in "qkv"]
+        pad = d["kpm"] is not None
+        attrs = dict(num_heads=w.Hq)
+        if w.causal:
+            attrs["unidirectional"] = 1
+        nodes.append(mk("MultiHeadAttention", ["q", "k", "v", "bqkv", "kpm" if pad else ""], ["ctx"],
+                        domain="com.microsoft", **attrs))
+        nodes += [mk("MatMul", ["ctx", "wo_t"], ["y0"]), mk("Add", ["y0", "bo"], ["y"])]
+        inputs = [_tensor("x", T.FLOAT, ["B", "L", w.E])]
+        feed = {"x": d["x"]}
+        if pad:
+            inputs.append(_tensor("kpm", T.INT32, ["B", "L"]))
+            feed["kpm"] = (~d["kpm"]).astype(np.int32)  # built once, outside the timing
+        model = _make_model(nodes, inputs, [_tensor("y", T.FLOAT, ["B", "L", w.E])], inits)
+        sess = _ort_session(model, threads)
+        notes = ("MatMul x3 + com.microsoft.MultiHeadAttention (bias fused"
+                 + (", int32 key_padding_mask 1=keep" if pad else "")
+                 + (", unidirectional=1" if w.causal else "") + ") + MatMul + Add")
+        return Prepared(lambda: sess.run(None, feed)[0], notes=notes)
+
+    def _prepare_gqa(self, w, d, threads):
+        """com.microsoft.GroupQueryAttention for one decode token over a cache of Lk tokens.
+
+        Inputs: query (B, 1, Hq*D), key/value of the new token (B, 1, Hkv*D) (packed, BSH),
+        past_key/past_value (B, Hkv, Lk, D) (BNSH), seqlens_k = Lk - 1 per batch entry (the total
+        length minus one), total_sequence_length = Lk (int32 scalar). past_* and present_* are bound
+        to the same OrtValues (buffer sharing), so the op writes the new token at position Lk - 1 in
+        place (the same values every round) and never copies the cache. For ``decode`` the graph
+        computes q/k/v with MatMul + Add first and projects the output with MatMul + Add.
+        """
+        T = onnx.TensorProto
+        B, Hq, Hkv, D, Lk = w.B, w.Hq, w.Hkv, w.D, w.Lk
+        P = Lk - 1
+        mk = onnx.helper.make_node
+        nodes, inits, inputs = [], [], []
+        if w.kind == "sdpa":
+            q, k, v = d["q"], d["k"], d["v"]
+            kbuf, vbuf = k.copy(), v.copy()
+            kbuf[:, :, P:] = 0  # the step writes the last token itself
+            vbuf[:, :, P:] = 0
+            feed = dict(query=np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, Hq * D)),
+                        key=np.ascontiguousarray(k[:, :, P:].transpose(0, 2, 1, 3).reshape(B, 1, Hkv * D)),
+                        value=np.ascontiguousarray(v[:, :, P:].transpose(0, 2, 1, 3).reshape(B, 1, Hkv * D)))
+            inputs += [_tensor("query", T.FLOAT, [B, 1, Hq * D]), _tensor("key", T.FLOAT, [B, 1, Hkv * D]),
+                       _tensor("value", T.FLOAT, [B, 1, Hkv * D])]
+            out_name, out_shape = "ctx", [B, 1, Hq * D]
+            to_numpy = lambda y: y.reshape(B, 1, Hq, D).transpose(0, 2, 1, 3).copy()  # noqa: E731
+            notes = "com.microsoft.GroupQueryAttention, past/present KV buffer shared (IOBinding)"
+        else:
+            nh = onnx.numpy_helper
+            for n in ("wq", "wk", "wv", "wo"):
+                inits.append(nh.from_array(np.ascontiguousarray(d[n].T), n + "_t"))
+            for n in ("bq", "bk", "bv", "bo"):
+                inits.append(nh.from_array(d[n], n))
+            for c in "qkv":
+                nodes += [mk("MatMul", ["x", f"w{c}_t"], [c + "0"]), mk("Add", [c + "0", "b" + c], [
+                    {"q": "query", "k": "key", "v": "value"}[c]])]
+            inputs.append(_tensor("x", T.FLOAT, [B, 1, w.E]))
+            kbuf = np.zeros((B, Hkv, Lk, D), np.float32)
+            vbuf = np.zeros((B, Hkv, Lk, D), np.float32)
+            kbuf[:, :, :P] = d["k_prefix"]
+            vbuf[:, :, :P] = d["v_prefix"]
+            feed = dict(x=d["x"])
+            out_name, out_shape = "y", [B, 1, w.E]
+            to_numpy = lambda y: y.copy()  # noqa: E731
+            notes = ("MatMul+Add x3 + com.microsoft.GroupQueryAttention (past/present KV buffer "
+                     "shared via IOBinding) + MatMul + Add")
+        nodes.append(mk("GroupQueryAttention",
+                        ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+                        ["ctx", "present_key", "present_value"], domain="com.microsoft",
+                        num_heads=Hq, kv_num_heads=Hkv))
+        if w.kind == "decode":
+            nodes += [mk("MatMul", ["ctx", "wo_t"], ["y0"]), mk("Add", ["y0", "bo"], ["y"])]
+        inputs += [_tensor("past_key", T.FLOAT, [B, Hkv, Lk, D]), _tensor("past_value", T.FLOAT, [B, Hkv, Lk, D]),
+                   _tensor("seqlens_k", T.INT32, [B]), _tensor("total_sequence_length", T.INT32, [])]
+        outputs = [_tensor(out_name, T.FLOAT, out_shape),
+                   _tensor("present_key", T.FLOAT, [B, Hkv, Lk, D]), _tensor("present_value", T.FLOAT, [B, Hkv, Lk, D])]
+        sess = _ort_session(_make_model(nodes, inputs, outputs, inits), threads)
+        feed["seqlens_k"] = np.full(B, P, np.int32)
+        feed["total_sequence_length"] = np.array(Lk, np.int32)
+        kv_k = ort.OrtValue.ortvalue_from_numpy(kbuf)
+        kv_v = ort.OrtValue.ortvalue_from_numpy(vbuf)
+        out = np.empty(out_shape, np.float32)
+        io = sess.io_binding()
+        for name, arr in feed.items():
+            io.bind_cpu_input(name, arr)
+        io.bind_ortvalue_input("past_key", kv_k)
+        io.bind_ortvalue_input("past_value", kv_v)
+        io.bind_ortvalue_output("present_key", kv_k)
+        io.bind_ortvalue_output("present_value", kv_v)
+        io.bind_output(out_name, "cpu", 0, np.float32, out.shape, out.ctypes.data)
+        keep = (feed, kbuf, vbuf, kv_k, kv_v, io, sess)  # keep the bound buffers alive
+
+        def run(_keep=keep):
+            sess.run_with_iobinding(io)
+            return out
+        return Prepared(run, to_numpy=to_numpy, notes=notes)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl for impl in (MhaCy(), NumpyBaseline(), TorchSDPA(), TorchMHA(), OnnxRuntime())
+}
+
+
+def versions() -> dict:
+    v = {"numpy": np.__version__, "python": sys.version.split()[0]}
+    if torch is not None:
+        v["torch"] = torch.__version__
+    if ort is not None:
+        v["onnxruntime"] = ort.__version__
+        v["onnx"] = onnx.__version__
+    return v

@@ -1,0 +1,191 @@
+"""Benchmark workloads: shapes, deterministic inputs, and the work each call must do.
+
+A workload is one attention problem, float32 throughout. ``kind`` says which entry point runs it:
+
+- ``"mha"``: a full ``MultiHeadAttention`` forward, ``y = mha(x, key_padding_mask=..., is_causal=...)``:
+  Q/K/V projections, attention, output projection. Self-attention, ``Lq == Lk == L``, ``E = H * D``.
+- ``"sdpa"``: ``scaled_dot_product_attention(q, k, v)`` alone, q ``(B, Hq, Lq, D)``, k/v ``(B, Hkv, Lk, D)``.
+- ``"decode"``: one incremental decoding step ``y = mha(x_step, cache=cache)``, x_step ``(B, 1, E)``,
+  with a KV cache already holding ``Lk - 1`` tokens; the step appends its K/V and attends over all
+  ``Lk`` cached tokens.
+
+Work per call (the numbers recorded in ``benchmark.extra_info`` as ``flops`` and ``bytes``)
+-------------------------------------------------------------------------------------------
+FLOPs count multiply-adds as 2 and only the matrix products; softmax, masking, bias adds and
+scaling are O(B*H*Lq*Lk) or smaller and are left out (as is customary, e.g. FlashAttention's counts).
+
+- ``mha`` (self-attention, E = Hq*D, Hkv = Hq here)::
+
+      projections = 2*B*L*E*E * 4                       # Q, K, V and the output projection
+      attention   = 2*B*Hq*L*L*D * 2 = 4*B*L*L*E        # Q K^T and P V
+      causal      : attention * (L + 1) / (2 * L)       # only the lower triangle is needed
+      padding     : not discounted (the count is the dense problem; a kernel may skip padded keys)
+      flops = projections + attention
+
+  e.g. encoder_batched: 8*8*512*768^2 + 4*8*512^2*768 = 19.33 + 6.44 = 25.8 GFLOP.
+  Bytes (the unavoidable traffic, for the record; these workloads are compute-bound)::
+
+      bytes = 4 * (B*L*E [x] + 4*E*E + 4*E [weights, biases] + B*L*E [y] + B*L [mask, bool])
+
+- ``sdpa`` decode over a cache (memory-bound: the K/V cache is read once, nothing is reused)::
+
+      flops = 4*B*Hq*Lq*Lk*D
+      bytes = 4 * (2*B*Hkv*Lk*D [K, V] + 2*B*Hq*Lq*D [q, o])
+
+  decode_gqa: 4*8*2048*128*4*2 = 64 MiB of K/V per call, 134 MFLOP.
+
+- ``decode`` (one step with projections, E = d_model, Hq*D and Hkv*D the projection widths)::
+
+      flops = 2*B*E*(Hq*D + 2*Hkv*D)  [Q, K, V of the new token]
+            + 2*B*(Hq*D)*E            [output projection]
+            + 4*B*Hq*Lk*D             [attention over the Lk cached tokens]
+      bytes = 4 * (E*(Hq*D + 2*Hkv*D) + Hq*D*E + Hq*D + 2*Hkv*D + E   [weights, biases]
+                   + 2*B*Hkv*Lk*D                                     [K/V cache read]
+                   + 2*B*Hkv*D                                        [K/V of the step, written]
+                   + 2*B*E)                                           [x_step, y]
+
+  decode_proj: 160 MiB of weights + 64 MiB of cache = 224 MiB per call: memory-bound.
+
+``bound`` says which roof applies: ``"compute"`` workloads are reported in GFLOP/s against the
+measured sgemm rate, ``"memory"`` workloads in GB/s against the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+__all__ = ["Workload", "WORKLOADS", "get", "make_data"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: str  # "mha" | "sdpa" | "decode"
+    B: int
+    Lq: int
+    Lk: int
+    E: int  # d_model (for "sdpa": Hq * D, informational)
+    Hq: int
+    Hkv: int
+    D: int
+    causal: bool = False
+    padding: bool = False  # key padding: last 25% of keys padded in the first half of the batch
+    bound: str = "compute"
+    description: str = ""
+
+    @property
+    def flops(self) -> int:
+        B, Lq, Lk, E, Hq, Hkv, D = self.B, self.Lq, self.Lk, self.E, self.Hq, self.Hkv, self.D
+        if self.kind == "mha":
+            L = Lq
+            projections = 2 * B * L * E * E * 4
+            attention = 4 * B * L * L * E
+            if self.causal:
+                attention = attention * (L + 1) // (2 * L)
+            return projections + attention
+        if self.kind == "sdpa":
+            return 4 * B * Hq * Lq * Lk * D
+        if self.kind == "decode":
+            return 2 * B * E * (Hq * D + 2 * Hkv * D) + 2 * B * Hq * D * E + 4 * B * Hq * Lk * D
+        raise ValueError(f"unknown kind {self.kind!r}")
+
+    @property
+    def bytes(self) -> int:
+        B, Lq, Lk, E, Hq, Hkv, D = self.B, self.Lq, self.Lk, self.E, self.Hq, self.Hkv, self.D
+        if self.kind == "mha":
+            L = Lq
+            return 4 * (2 * B * L * E + 4 * E * E + 4 * E) + (B * L if self.padding else 0)
+        if self.kind == "sdpa":
+            return 4 * (2 * B * Hkv * Lk * D + 2 * B * Hq * Lq * D)
+        if self.kind == "decode":
+            weights = E * (Hq * D + 2 * Hkv * D) + Hq * D * E + Hq * D + 2 * Hkv * D + E
+            return 4 * (weights + 2 * B * Hkv * Lk * D + 2 * B * Hkv * D + 2 * B * E)
+        raise ValueError(f"unknown kind {self.kind!r}")
+
+    def info(self) -> dict:
+        """The shape fields, for ``extra_info`` and the report."""
+        d = dataclasses.asdict(self)
+        d.pop("description")
+        d["flops"] = self.flops
+        d["bytes"] = self.bytes
+        return d
+
+
+_ENCODER_BATCHED = dict(kind="mha", B=8, Lq=512, Lk=512, E=768, Hq=12, Hkv=12, D=64, padding=True)
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("encoder", "mha", B=1, Lq=128, Lk=128, E=768, Hq=12, Hkv=12, D=64,
+                 description="batch 1, 128 tokens, d_model 768, 12 heads, no mask"),
+        Workload("encoder_batched", **_ENCODER_BATCHED,
+                 description="batch 8, 512 tokens, d_model 768, 12 heads, key padding mask "
+                             "(last 25% of keys padded in half the batch)"),
+        Workload("long_causal", "mha", B=1, Lq=4096, Lk=4096, E=512, Hq=8, Hkv=8, D=64, causal=True,
+                 description="batch 1, 4096 tokens, d_model 512, 8 heads, causal"),
+        Workload("decode_gqa", "sdpa", B=4, Lq=1, Lk=2048, E=4096, Hq=32, Hkv=8, D=128,
+                 bound="memory",
+                 description="scaled_dot_product_attention of 1 new token over a 2048-token K/V "
+                             "cache, batch 4, 32 query heads, 8 KV heads, head_dim 128"),
+        Workload("decode_proj", "decode", B=4, Lq=1, Lk=2048, E=4096, Hq=32, Hkv=8, D=128,
+                 bound="memory",
+                 description="one decode step with projections, d_model 4096, cache of 2047 "
+                             "tokens + the new one, batch 4, 32 query heads, 8 KV heads"),
+        Workload("tiny", "mha", B=1, Lq=16, Lk=16, E=64, Hq=4, Hkv=4, D=16,
+                 description="batch 1, 16 tokens, d_model 64, 4 heads (per-call overhead)"),
+        Workload("threads", **_ENCODER_BATCHED,
+                 description="encoder_batched at 1 and at 2 (or --mha-threads) threads"),
+    ]
+}
+
+
+def get(name: str) -> Workload:
+    return WORKLOADS[name]
+
+
+@functools.lru_cache(maxsize=1)
+def make_data(name: str, seed: int = 0) -> dict:
+    """Deterministic float32 inputs of a workload (cached: the last workload only).
+
+    Weights follow ``nn.Linear``'s layout ``(out_features, in_features)`` and scale
+    (std ~ 1/sqrt(in_features)), so activations stay O(1) and the fp32 tolerances mean something.
+
+    Keys: ``mha``: wq wk wv wo bq bk bv bo x kpm (kpm: bool (B, L), True = padding, or None).
+    ``sdpa``: q k v. ``decode``: the weights, ``prompt`` (B, Lk - 1, E) to prefill a cache with,
+    ``x`` (B, 1, E) the step, and ``k_prefix``/``v_prefix`` (B, Hkv, Lk - 1, D), the K/V of the prompt
+    for implementations that are handed a cache directly (computed here once with NumPy).
+    """
+    w = WORKLOADS[name]
+    rng = np.random.default_rng(seed + sum(map(ord, w.name)))
+
+    def normal(shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    if w.kind == "sdpa":
+        return dict(q=normal((w.B, w.Hq, w.Lq, w.D)),
+                    k=normal((w.B, w.Hkv, w.Lk, w.D)),
+                    v=normal((w.B, w.Hkv, w.Lk, w.D)))
+
+    E, HqD, HkvD = w.E, w.Hq * w.D, w.Hkv * w.D
+    d = dict(wq=normal((HqD, E), E ** -0.5), wk=normal((HkvD, E), E ** -0.5),
+             wv=normal((HkvD, E), E ** -0.5), wo=normal((E, HqD), HqD ** -0.5),
+             bq=normal(HqD, 0.1), bk=normal(HkvD, 0.1), bv=normal(HkvD, 0.1), bo=normal(E, 0.1))
+    if w.kind == "mha":
+        d["x"] = normal((w.B, w.Lq, E))
+        kpm = None
+        if w.padding:
+            kpm = np.zeros((w.B, w.Lk), dtype=bool)
+            kpm[: w.B // 2, w.Lk - w.Lk // 4:] = True
+        d["kpm"] = kpm
+        return d
+    # decode
+    P = w.Lk - 1
+    d["prompt"] = normal((w.B, P, E))
+    d["x"] = normal((w.B, 1, E))
+    for name_, wt, b in (("k_prefix", d["wk"], d["bk"]), ("v_prefix", d["wv"], d["bv"])):
+        kv = d["prompt"].reshape(-1, E) @ wt.T + b
+        d[name_] = np.ascontiguousarray(kv.reshape(w.B, P, w.Hkv, w.D).transpose(0, 2, 1, 3))
+    return d
