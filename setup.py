@@ -204,7 +204,10 @@ class BuildExt(build_ext):
             # running max).  -fno-math-errno only lets libm calls inline.
             # Hidden visibility: src/*.c is linked into every module; keep each
             # copy private (PyInit_* is exported explicitly by Python's headers).
-            compile_args += ["-std=c11", "-fno-math-errno", "-fvisibility=hidden"]
+            # -ffp-contract=fast: let a*b+c become one FMA (ISO -std=c11 turns
+            # that off; it halves the instructions of the dot products in src/).
+            compile_args += ["-std=c11", "-fno-math-errno", "-ffp-contract=fast",
+                             "-fvisibility=hidden"]
             link_args = ["-g"] if DEBUG else []
         macros = []
         if NATIVE:

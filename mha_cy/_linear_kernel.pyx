@@ -3,12 +3,22 @@
 x (M, K) rows are tokens, weight (N, K) is an nn.Linear weight. The work is cut into one
 block per thread, each one single-threaded BLAS call on disjoint output: by output columns
 when N is wide enough (each thread then reads only its own rows of the weight, which matters
-for decode steps where M is tiny and the weight dominates the traffic), else by rows.
+for decode steps where M is tiny and the weight dominates the traffic), else by rows. With a
+handful of rows (decode steps) a block is computed by src/small_gemm.c instead of BLAS.
 """
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
 from ._cython_blas cimport _gemm, NoTrans, Trans
+
+cdef extern from "small_gemm.h" nogil:
+    enum: MHA_SMALL_GEMM_MAX_ROWS
+    void mha_small_gemm_f32(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw,
+                            const float *bias, float *out, Py_ssize_t ldo,
+                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
+    void mha_small_gemm_f64(const double *x, Py_ssize_t ldx, const double *w, Py_ssize_t ldw,
+                            const double *bias, double *out, Py_ssize_t ldo,
+                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
 
 # Column blocks narrower than this make BLAS inefficient: split rows instead.
 cdef Py_ssize_t MIN_COLS_PER_THREAD = 128
@@ -23,6 +33,12 @@ cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py
     cdef Py_ssize_t i, j
     cdef floating beta = 0
     if m <= 0 or n <= 0:
+        return
+    if m <= MHA_SMALL_GEMM_MAX_ROWS:      # decode steps: read the weights once (small_gemm.h)
+        if floating is float:
+            mha_small_gemm_f32(x, ldx, w, ldw, bias, out, ldo, m, n, k)
+        else:
+            mha_small_gemm_f64(x, ldx, w, ldw, bias, out, ldo, m, n, k)
         return
     if bias != NULL:
         for i in range(m):
@@ -65,7 +81,8 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef double flops = 2.0 * M * N * K
     cdef Py_ssize_t n_useful = max(1, min(<Py_ssize_t> n_threads,
                                           <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
-    cdef bint by_columns = N >= MIN_COLS_PER_THREAD * n_useful or M < n_useful
+    cdef bint by_columns = (N >= MIN_COLS_PER_THREAD * n_useful or M < n_useful
+                            or M <= MHA_SMALL_GEMM_MAX_ROWS)
     cdef Py_ssize_t extent = N if by_columns else M
     cdef Py_ssize_t n_blocks = min(n_useful, extent)
     # block size rounded up to 16 so column blocks start on cache-line-friendly offsets

@@ -47,13 +47,19 @@ def test_gemm_memview_beta_zero_ignores_nan():
 
 # -- _linear_kernel ---------------------------------------------------------------------------
 
-# linear() splits the output by columns when N >= 128 * threads (or M < threads), else by rows;
-# blocks are rounded up to 16.
+# linear() splits the output by columns when N >= 128 * threads, M < threads or M <= 16, else
+# by rows; blocks are rounded up to 16. Up to 16 rows (MHA_SMALL_GEMM_MAX_ROWS) a block is
+# computed by src/small_gemm.c in groups of 4 rows x 8, 4 or 1 weight rows, 16 lanes at a time
+# (float; 8 for double): the shapes below hit every group size and remainder.
 SHAPES = {
-    "columns": (5, 24, 300),       # M, K, N: wide N
-    "columns_few_rows": (1, 16, 40),  # M < threads: columns even though N is narrow
-    "rows": (70, 24, 40),
-    "rows_uneven": (33, 7, 100),
+    "small_1_row": (1, 16, 40),          # M, K, N
+    "small_2_rows_odd_k": (2, 37, 21),
+    "small_3_rows": (3, 100, 9),
+    "small_6_rows": (6, 16, 300),
+    "small_16_rows_k_tail": (16, 71, 130),
+    "blas_columns": (40, 24, 300),       # wide N
+    "blas_rows": (70, 24, 40),
+    "blas_rows_uneven": (33, 7, 100),
     "tiny": (1, 1, 1),
 }
 

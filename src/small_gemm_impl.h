@@ -1,0 +1,77 @@
+/* Body of small_gemm.c for one floating type: included once with REAL = float and once with
+ * REAL = double. Defines needed: REAL, SUFFIX, VL (the lanes of one 512-bit vector). */
+
+#define MHA_CAT_(a, b) a##b
+#define MHA_CAT(a, b) MHA_CAT_(a, b)
+#define FN(name) MHA_CAT(name, SUFFIX)
+
+/* out[i, j0 + jj] for i < M <= 4, jj < NB: M rows of x against NB rows of w, in one pass
+ * over k. Each vector of w is loaded once for M rows of x and each vector of x once for NB
+ * rows of w; the M * NB accumulators (of VL lanes) are independent FMA chains. M and NB are
+ * constants at every call (always_inline + the switch below), so gcc keeps the accumulators
+ * in registers. */
+static inline __attribute__((always_inline)) void
+FN(rows_block_)(const REAL *x, ptrdiff_t ldx, const REAL *w, ptrdiff_t ldw, const REAL *bias,
+                REAL *out, ptrdiff_t ldo, const int M, const int NB, ptrdiff_t j0, ptrdiff_t k)
+{
+    REAL acc[4][MAX_NB][VL];
+    for (int i = 0; i < M; i++)
+        for (int jj = 0; jj < NB; jj++)
+            for (int u = 0; u < VL; u++)
+                acc[i][jj][u] = 0;
+    ptrdiff_t p = 0;
+    for (; p + VL <= k; p += VL)
+        for (int i = 0; i < M; i++)
+            for (int jj = 0; jj < NB; jj++)
+                for (int u = 0; u < VL; u++)
+                    acc[i][jj][u] += x[i * ldx + p + u] * w[(j0 + jj) * ldw + p + u];
+    for (int i = 0; i < M; i++)
+        for (int jj = 0; jj < NB; jj++) {
+            REAL sum = bias != NULL ? bias[j0 + jj] : 0;
+            for (ptrdiff_t q = p; q < k; q++)
+                sum += x[i * ldx + q] * w[(j0 + jj) * ldw + q];
+            for (int u = 0; u < VL; u++)
+                sum += acc[i][jj][u];
+            out[i * ldo + j0 + jj] = sum;
+        }
+}
+
+/* Columns [j_begin, j_end) for a constant M: blocks of NB weight rows, then single rows. */
+#define ROWS(M, NB)                                                                          \
+    do {                                                                                     \
+        ptrdiff_t j = j_begin;                                                               \
+        for (; j + (NB) <= j_end; j += (NB))                                                 \
+            FN(rows_block_)(xi, ldx, w, ldw, bias, oi, ldo, (M), (NB), j, k);                 \
+        for (; j < j_end; j++)                                                               \
+            FN(rows_block_)(xi, ldx, w, ldw, bias, oi, ldo, (M), 1, j, k);                    \
+    } while (0)
+
+MHA_SIMD_CLONES
+void FN(mha_small_gemm_)(const REAL *x, ptrdiff_t ldx, const REAL *w, ptrdiff_t ldw,
+                         const REAL *bias, REAL *out, ptrdiff_t ldo,
+                         ptrdiff_t m, ptrdiff_t n, ptrdiff_t k)
+{
+    /* Weight rows go in panels of about 256 KiB: read from memory for the first 4 rows of x,
+     * from L2 for the next ones. Per 4 rows of x, NB keeps M * NB <= 16 accumulators (of 32
+     * vector registers on AVX-512; the rest hold the loads). */
+    ptrdiff_t panel = (ptrdiff_t)(256 * 1024 / sizeof(REAL)) / (k > 0 ? k : 1);
+    panel = panel < 8 ? 8 : panel;
+    for (ptrdiff_t j_begin = 0; j_begin < n; j_begin += panel) {
+        ptrdiff_t j_end = j_begin + panel < n ? j_begin + panel : n;
+        for (ptrdiff_t i = 0; i < m; i += 4) {
+            const REAL *xi = x + i * ldx;
+            REAL *oi = out + i * ldo;
+            switch (m - i < 4 ? m - i : 4) {
+            case 1: ROWS(1, 8); break;
+            case 2: ROWS(2, 8); break;
+            case 3: ROWS(3, 4); break;
+            default: ROWS(4, 4); break;
+            }
+        }
+    }
+}
+
+#undef ROWS
+#undef FN
+#undef MHA_CAT
+#undef MHA_CAT_
