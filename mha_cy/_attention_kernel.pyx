@@ -45,7 +45,7 @@ cdef double MIN_FLOPS_PER_THREAD = 1e6
 
 # Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/); changed only
 # by _set_tile_sizes, for tuning and for the tests that results do not depend on them.
-cdef Py_ssize_t BLOCK_Q = 128
+cdef Py_ssize_t BLOCK_Q = 256
 cdef Py_ssize_t BLOCK_K = 256
 
 
@@ -55,6 +55,7 @@ cdef struct Problem:
     Py_ssize_t qb, qh, ql, kb, kh, kl, vb, vh, vl, ob, oh, ol, wb, wh, wl
     # additive mask strides, (B, H, Lq, Lk) axes, 0 where broadcast; key padding row stride
     Py_ssize_t mb, mh, ml, mk, pb
+    const unsigned char *pad      # key padding (B, Lk), nonzero = ignore the key; or NULL
     bint causal
     Py_ssize_t causal_offset      # Lk - Lq: query i sees keys j <= i + causal_offset
     bint heads_as_rows            # decode tasks (see module docstring)
@@ -63,7 +64,8 @@ cdef struct Problem:
 
 
 cdef struct Task:
-    Py_ssize_t b, h0, i0, rows, dh, di, kv_head, k_end
+    Py_ssize_t b, h0, i0, rows, dh, di, kv_head
+    Py_ssize_t k_begin, k_end     # the keys any row of the task may see: [k_begin, k_end)
     # element offsets of the task's first row in each operand (mask: -1 when there is none)
     Py_ssize_t q_off, k_off, v_off, o_off, w_off, m_off, pad_off
     # element strides from one row of the task to the next (BLAS leading dimensions)
@@ -71,8 +73,9 @@ cdef struct Task:
 
 
 cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogil:
-    """Which rows task t covers, where they are, and how far along the keys they may look."""
+    """Which rows task t covers, where they are, and which keys they may look at."""
     cdef Py_ssize_t rem, last_i
+    cdef const unsigned char *pad_row
     if p.heads_as_rows:
         task.b = t // p.kv_heads
         task.kv_head = t % p.kv_heads
@@ -90,10 +93,16 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
         task.dh = 0
         task.di = 1
         task.kv_head = task.h0 // p.group
-    task.k_end = p.k_len
+    task.k_begin, task.k_end = 0, p.k_len
     if p.causal:
         last_i = task.i0 + (task.rows - 1) * task.di
         task.k_end = max(<Py_ssize_t> 0, min(p.k_len, last_i + p.causal_offset + 1))
+    if p.pad != NULL:     # padded keys at either end (right- or left-padded batches): skip them
+        pad_row = p.pad + task.b * p.pb
+        while task.k_end > 0 and pad_row[task.k_end - 1]:
+            task.k_end -= 1
+        while task.k_begin < task.k_end and pad_row[task.k_begin]:
+            task.k_begin += 1
 
     task.q_off = task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
     task.k_off = task.b * p.kb + task.kv_head * p.kh
@@ -168,7 +177,7 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
     for r in range(task.rows):
         row_max[r] = -INFINITY
         row_sum[r] = 0
-    j0 = 0
+    j0 = task.k_begin
     while j0 < task.k_end:
         nk = min(p.block_k, task.k_end - j0)
         _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> task.q_rs,
@@ -203,19 +212,23 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
     cdef const floating *m0 = NULL if mask == NULL else mask + task.m_off
     cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
 
-    for r in range(task.rows):
+    cdef Py_ssize_t kb = task.k_begin, n = task.k_end - task.k_begin   # the keys to compute
+    for r in range(task.rows):   # weights of the keys no row may see
+        memset(w0 + r * w_rs, 0, kb * sizeof(floating))
         memset(w0 + r * w_rs + task.k_end, 0, (p.k_len - task.k_end) * sizeof(floating))
-    if task.k_end == 0:
+    if n <= 0:
         for r in range(task.rows):
+            memset(w0 + r * w_rs, 0, p.k_len * sizeof(floating))
             memset(o0 + r * o_rs, 0, p.dv * sizeof(floating))
         return
-    _gemm(NoTrans, Trans, <int> task.rows, <int> task.k_end, <int> p.d, scale, q0, <int> q_rs,
-          k0, <int> p.kl, <floating> 0, w0, <int> w_rs)
+    w0 += kb
+    _gemm(NoTrans, Trans, <int> task.rows, <int> n, <int> p.d, scale, q0, <int> q_rs,
+          k0 + kb * p.kl, <int> p.kl, <floating> 0, w0, <int> w_rs)
     for r in range(task.rows):
-        _row_softmax(w0 + r * w_rs, task.k_end, NULL if m0 == NULL else m0 + r * m_rs, p.mk,
-                     pad_row, _n_valid(p, &task, r, 0, task.k_end))
-    _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> task.k_end, <floating> 1, w0,
-          <int> w_rs, v0, <int> p.vl, <floating> 0, o0, <int> o_rs)
+        _row_softmax(w0 + r * w_rs, n, NULL if m0 == NULL else m0 + r * m_rs + kb * p.mk, p.mk,
+                     NULL if pad_row == NULL else pad_row + kb, _n_valid(p, &task, r, kb, n))
+    _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> n, <floating> 1, w0,
+          <int> w_rs, v0 + kb * p.vl, <int> p.vl, <floating> 0, o0, <int> o_rs)
 
 
 cdef inline Py_ssize_t _elem(Py_ssize_t stride_bytes, Py_ssize_t itemsize) noexcept:
@@ -272,6 +285,7 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
         pad_view = pad
         pad_ptr = &pad_view[0, 0]
         p.pb = pad_view.strides[0]
+    p.pad = pad_ptr
 
     cdef floating[:, :, :, ::1] w_view       # C-contiguous
     cdef floating *w_ptr = NULL

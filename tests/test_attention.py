@@ -250,6 +250,23 @@ def test_fully_masked_rows_give_zeros(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_padding_at_the_ends_of_the_keys(rng, dtype, is_causal):
+    """Right- and left-padded batches (the kernel skips padded keys at either end of a row;
+    lengths chosen around its 256-key tiles), with padding in the middle too."""
+    b, k_len = 5, 600
+    fast, ref = make_pair(rng, 16, 2, dtype)
+    x = rng.standard_normal((b, k_len, 16))
+    pad = np.zeros((b, k_len), bool)
+    pad[0, 300:] = True                               # right padding
+    pad[1, :257] = True                               # left padding
+    pad[2, :10] = pad[2, 500:] = True                 # both ends
+    pad[3, 100:400] = True                            # middle only
+    pad[4, 1:] = True                                 # a single real key
+    check_modules(fast, ref, x, key_padding_mask=pad, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_len,k_len", [(5, 2), (300, 70), (70, 1)])
 def test_causal_more_queries_than_keys(rng, dtype, q_len, k_len):
     """Bottom-right causal with Lq > Lk: the first Lq - Lk queries see no key at all."""
