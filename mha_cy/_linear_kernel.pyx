@@ -13,6 +13,7 @@ from ._cython_blas cimport _gemm, NoTrans, Trans
 
 cdef extern from "small_gemm.h" nogil:
     enum: MHA_SMALL_GEMM_MAX_ROWS
+    enum: MHA_SMALL_GEMM_MIN_WEIGHT_BYTES
     void mha_small_gemm_f32(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw,
                             const float *bias, float *out, Py_ssize_t ldo,
                             Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
@@ -28,13 +29,14 @@ cdef double MIN_FLOPS_PER_THREAD = 1e6
 
 cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py_ssize_t ldw,
                         const floating *bias, floating *out, Py_ssize_t ldo,
-                        Py_ssize_t m, Py_ssize_t n, Py_ssize_t k) noexcept nogil:
-    """out[m, n] := x[m, k] @ w[n, k]^T + bias[n] (bias may be NULL)."""
+                        Py_ssize_t m, Py_ssize_t n, Py_ssize_t k, bint few_rows) noexcept nogil:
+    """out[m, n] := x[m, k] @ w[n, k]^T + bias[n] (bias may be NULL); few_rows: use
+    src/small_gemm.c instead of BLAS."""
     cdef Py_ssize_t i, j
     cdef floating beta = 0
     if m <= 0 or n <= 0:
         return
-    if m <= MHA_SMALL_GEMM_MAX_ROWS:      # decode steps: read the weights once (small_gemm.h)
+    if few_rows:
         if floating is float:
             mha_small_gemm_f32(x, ldx, w, ldw, bias, out, ldo, m, n, k)
         else:
@@ -81,8 +83,10 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef double flops = 2.0 * M * N * K
     cdef Py_ssize_t n_useful = max(1, min(<Py_ssize_t> n_threads,
                                           <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
-    cdef bint by_columns = (N >= MIN_COLS_PER_THREAD * n_useful or M < n_useful
-                            or M <= MHA_SMALL_GEMM_MAX_ROWS)
+    # decode steps: a few rows against a weight larger than L2 (small_gemm.h)
+    cdef bint few_rows = (M <= MHA_SMALL_GEMM_MAX_ROWS
+                          and N * K * sizeof(floating) >= MHA_SMALL_GEMM_MIN_WEIGHT_BYTES)
+    cdef bint by_columns = N >= MIN_COLS_PER_THREAD * n_useful or M < n_useful or few_rows
     cdef Py_ssize_t extent = N if by_columns else M
     cdef Py_ssize_t n_blocks = min(n_useful, extent)
     # block size rounded up to 16 so column blocks start on cache-line-friendly offsets
@@ -98,8 +102,8 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
             if by_columns:
                 _linear_block(x_ptr, ldx, w_ptr + start * ldx,
                               ldx, NULL if bias_ptr == NULL else bias_ptr + start,
-                              o_ptr + start, ldo, M, size, K)
+                              o_ptr + start, ldo, M, size, K, few_rows)
             else:
                 _linear_block(x_ptr + start * ldx, ldx, w_ptr, ldx, bias_ptr,
-                              o_ptr + start * ldo, ldo, size, N, K)
+                              o_ptr + start * ldo, ldo, size, N, K, few_rows)
     return out

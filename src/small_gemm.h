@@ -4,8 +4,8 @@
  * memory bandwidth (measured, 1 thread, 4096 x 6144 weight: 4 rows in 20.7 ms with OpenBLAS,
  * 7.3 ms here). Here weight rows are read from memory once, in panels that stay in L2 while
  * every group of 4 rows of x passes over them, each vector of x and w loaded once per block
- * of accumulators. Above MHA_SMALL_GEMM_MAX_ROWS rows, BLAS is faster again (32 rows: 33 ms
- * against 45 ms here). */
+ * of accumulators. With more rows BLAS catches up (16 rows: 25.7 ms in BLAS, 23.6 ms here;
+ * 32 rows: 33 ms against 45 ms). */
 #ifndef MHA_SMALL_GEMM_H
 #define MHA_SMALL_GEMM_H
 
@@ -15,8 +15,11 @@
 extern "C" {
 #endif
 
-/* Rows of x up to which the small-m path beats BLAS. */
-#define MHA_SMALL_GEMM_MAX_ROWS 16
+/* Where the small-m path beats BLAS (measured, 1 thread): up to this many rows of x, with a
+ * weight too large for L2 (below that BLAS is as fast or faster: 1 x 256 @ 256 x 768 took
+ * 12 us in BLAS, 18 us here; 1 x 512 @ 512 x 1536, 281 us in BLAS, 62 us here). */
+#define MHA_SMALL_GEMM_MAX_ROWS 8
+#define MHA_SMALL_GEMM_MIN_WEIGHT_BYTES (1 << 20)
 
 /* out[i, j] = sum_k x[i, k] w[j, k] + bias[j]  for i < m, j < n.
  * x: m rows of k values, row stride ldx; w: n rows of k values, row stride ldw;

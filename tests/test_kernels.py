@@ -47,16 +47,17 @@ def test_gemm_memview_beta_zero_ignores_nan():
 
 # -- _linear_kernel ---------------------------------------------------------------------------
 
-# linear() splits the output by columns when N >= 128 * threads, M < threads or M <= 16, else
-# by rows; blocks are rounded up to 16. Up to 16 rows (MHA_SMALL_GEMM_MAX_ROWS) a block is
-# computed by src/small_gemm.c in groups of 4 rows x 8, 4 or 1 weight rows, 16 lanes at a time
-# (float; 8 for double): the shapes below hit every group size and remainder.
+# linear() splits the output by columns when N >= 128 * threads or M < threads, else by rows;
+# blocks are rounded up to 16. Up to 8 rows against a weight of >= 1 MiB (small_gemm.h), blocks
+# of columns are computed by src/small_gemm.c in groups of 4 rows x 8, 4 or 1 weight rows, 16
+# lanes at a time (float; 8 for double): the "small" shapes hit every group size and remainder.
 SHAPES = {
-    "small_1_row": (1, 16, 40),          # M, K, N
-    "small_2_rows_odd_k": (2, 37, 21),
-    "small_3_rows": (3, 100, 9),
-    "small_6_rows": (6, 16, 300),
-    "small_16_rows_k_tail": (16, 71, 130),
+    "small_1_row": (1, 512, 600),        # M, K, N
+    "small_2_rows_k_tail": (2, 1031, 270),
+    "small_3_rows": (3, 300, 1000),
+    "small_7_rows_k_tail": (7, 517, 520),
+    "small_8_rows": (8, 256, 1100),
+    "blas_few_rows_small_weight": (4, 16, 40),
     "blas_columns": (40, 24, 300),       # wide N
     "blas_rows": (70, 24, 40),
     "blas_rows_uneven": (33, 7, 100),
