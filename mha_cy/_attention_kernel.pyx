@@ -12,6 +12,9 @@ Work is cut into tasks, shared dynamically by the threads (causal tasks differ i
 A task walks K/V in tiles of BLOCK_K keys: S = scale * Q K^T (BLAS), then per row the masks and
 the online softmax (src/attention_tile.c), then acc += P V (BLAS). Only one S tile per thread
 exists at a time: extra memory is O(threads * BLOCK_Q * BLOCK_K), not O(Lq * Lk).
+With fewer than MIN_PARALLEL_TASKS tasks (one sequence decoding with one K/V head, say), each
+task's keys are split into parts that run in parallel, and their partial softmax states are
+merged afterwards (split-K), so that every core streams a share of the cache.
 With weights requested, the rows of the (B, H, Lq, Lk) weights array serve as the score
 buffer instead and the softmax is done exactly over whole rows.
 
@@ -20,7 +23,7 @@ one pointer and one row stride per operand describe both kinds of task to BLAS.
 """
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
-from libc.math cimport INFINITY
+from libc.math cimport INFINITY, exp
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
@@ -42,6 +45,10 @@ cdef extern from "attention_tile.h" nogil:
 
 # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
 cdef double MIN_FLOPS_PER_THREAD = 1e6
+# With fewer tasks than this (a decode step of one sequence with one K/V head, say), the keys
+# of each task are split into parts computed in parallel and merged ("split-K"), so that all
+# cores stream the cache. A constant, not the thread count: the result must not depend on it.
+cdef Py_ssize_t MIN_PARALLEL_TASKS = 8
 
 # Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/); changed only
 # by _set_tile_sizes, for tuning and for the tests that results do not depend on them.
@@ -156,16 +163,24 @@ cdef inline void _row_finish(const floating *acc, floating l, floating *out,
         mha_finish_row_f64(acc, l, out, <int> dv)
 
 
-cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
+cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, floating scale,
                        const floating *q, const floating *k, const floating *v, floating *out,
                        const floating *mask, const unsigned char *pad,
                        floating *scores, floating *acc, floating *row_max,
-                       floating *row_sum) noexcept nogil:
-    """One task, flash style: tiles of block_k keys, online softmax, O(tile) memory.
-    scores: rows x block_k; acc: rows x dv; row_max, row_sum: rows."""
+                       floating *row_sum, bint finish) noexcept nogil:
+    """Part t % n_parts of the keys of task t // n_parts, flash style: tiles of block_k keys,
+    online softmax, O(tile) memory. scores: rows x block_k; acc: rows x dv; row_max, row_sum:
+    rows. finish: write the normalized rows to out; else leave acc, row_max and row_sum for
+    _merge_parts."""
     cdef Task task
-    _task(p, t, &task)
-    cdef Py_ssize_t r, j0, nk
+    _task(p, t // n_parts, &task)
+    cdef Py_ssize_t r, j0, nk, part_len
+    cdef Py_ssize_t k_begin = task.k_begin, k_end = task.k_end
+    if n_parts > 1:      # whole tiles per part
+        part_len = (k_end - k_begin + n_parts - 1) // n_parts
+        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
+        k_begin = min(k_end, task.k_begin + (t % n_parts) * part_len)
+        k_end = min(k_end, k_begin + part_len)
     cdef const floating *q0 = q + task.q_off
     cdef const floating *k0 = k + task.k_off
     cdef const floating *v0 = v + task.v_off
@@ -177,9 +192,9 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
     for r in range(task.rows):
         row_max[r] = -INFINITY
         row_sum[r] = 0
-    j0 = task.k_begin
-    while j0 < task.k_end:
-        nk = min(p.block_k, task.k_end - j0)
+    j0 = k_begin
+    while j0 < k_end:
+        nk = min(p.block_k, k_end - j0)
         _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> task.q_rs,
               k0 + j0 * p.kl, <int> p.kl, <floating> 0, scores, <int> p.block_k)
         for r in range(task.rows):
@@ -191,8 +206,43 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, floating scale,
         _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <floating> 1, scores,
               <int> p.block_k, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
         j0 += nk
+    if finish:
+        for r in range(task.rows):
+            _row_finish(acc + r * p.dv, row_sum[r], o0 + r * task.o_rs, p.dv)
+
+
+cdef void _merge_parts(const Problem *p, Py_ssize_t base, Py_ssize_t n_parts,
+                       const floating *parts, Py_ssize_t part_size, Py_ssize_t max_rows,
+                       floating *out) noexcept nogil:
+    """out rows of task `base` from the (acc, max, sum) its n_parts parts left in `parts`:
+    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s with M = max_s m_s."""
+    cdef Task task
+    _task(p, base, &task)
+    cdef Py_ssize_t r, s, d
+    cdef const floating *part
+    cdef floating m, total, weight
+    cdef floating *o
     for r in range(task.rows):
-        _row_finish(acc + r * p.dv, row_sum[r], o0 + r * task.o_rs, p.dv)
+        o = out + task.o_off + r * task.o_rs
+        m = -INFINITY
+        for s in range(n_parts):
+            part = parts + (base * n_parts + s) * part_size
+            m = max(m, part[max_rows * p.dv + r])
+        total = 0
+        for d in range(p.dv):
+            o[d] = 0
+        if m == -INFINITY:          # every key of the row masked: zeros
+            continue
+        for s in range(n_parts):
+            part = parts + (base * n_parts + s) * part_size
+            if part[max_rows * p.dv + r] == -INFINITY:
+                continue
+            weight = exp(part[max_rows * p.dv + r] - m)
+            total += weight * part[max_rows * (p.dv + 1) + r]
+            for d in range(p.dv):
+                o[d] += weight * part[r * p.dv + d]
+        for d in range(p.dv):
+            o[d] = o[d] / total if total > 0 else 0
 
 
 cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
@@ -321,6 +371,22 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
                 _weights_task(&p, t, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pad_ptr, w_ptr)
         return out
 
+    # split-K (see MIN_PARALLEL_TASKS): parts of at least two tiles each
+    cdef Py_ssize_t n_parts = 1
+    if n_tasks < MIN_PARALLEL_TASKS:
+        n_parts = max(1, min((MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
+                             p.k_len // (2 * bk)))
+    team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks * n_parts,
+                            <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
+    # parts' results: per part, acc (max_rows x dv), then running max and sum (max_rows each)
+    cdef Py_ssize_t part_size = max_rows * (p.dv + 2)
+    cdef floating *parts = NULL
+    cdef floating *slot
+    if n_parts > 1:
+        parts = <floating *> malloc(n_tasks * n_parts * part_size * sizeof(floating))
+        if parts == NULL:
+            raise MemoryError("attention: could not allocate the split-K partial results")
+
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
     with nogil, parallel(num_threads=team):
         # per-thread scratch: one score tile, the accumulators, running max and sum
@@ -328,13 +394,25 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
         if scratch == NULL:
             failed_ptr[0] = 1
         # every thread must reach the worksharing loop, even one without scratch
-        for t in prange(n_tasks, schedule='dynamic'):
+        for t in prange(n_tasks * n_parts, schedule='dynamic'):
             if scratch != NULL:
-                _attend_task(&p, t, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pad_ptr,
-                             scratch, scratch + max_rows * bk,
-                             scratch + max_rows * (bk + p.dv),
-                             scratch + max_rows * (bk + p.dv + 1))
+                if n_parts == 1:
+                    _attend_task(&p, t, 1, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+                                 pad_ptr, scratch, scratch + max_rows * bk,
+                                 scratch + max_rows * (bk + p.dv),
+                                 scratch + max_rows * (bk + p.dv + 1), True)
+                else:
+                    slot = parts + t * part_size
+                    _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+                                 pad_ptr, scratch, slot, slot + max_rows * p.dv,
+                                 slot + max_rows * (p.dv + 1), False)
         free(scratch)
+    if n_parts > 1:
+        if not failed:
+            with nogil, parallel(num_threads=min(team, <int> n_tasks)):
+                for t in prange(n_tasks, schedule='static'):
+                    _merge_parts(&p, t, n_parts, parts, part_size, max_rows, o_ptr)
+        free(parts)
     if failed:
         raise MemoryError("attention: could not allocate the per-thread score tiles")
     return out

@@ -4,7 +4,8 @@ x (M, K) rows are tokens, weight (N, K) is an nn.Linear weight. The work is cut 
 block per thread, each one single-threaded BLAS call on disjoint output: by output columns
 when N is wide enough (each thread then reads only its own rows of the weight, which matters
 for decode steps where M is tiny and the weight dominates the traffic), else by rows. With a
-handful of rows (decode steps) a block is computed by src/small_gemm.c instead of BLAS.
+handful of rows against a weight larger than L2 (decode steps), a block is computed by
+src/small_gemm.c instead of BLAS.
 """
 from cython cimport floating
 from cython.parallel cimport parallel, prange

@@ -132,6 +132,31 @@ def test_long_keys(rng, dtype, q_len):
     check(q, k, v, dtype, attn_mask=fmask, is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,q_len", [(1, 4, 1, 1), (1, 8, 2, 1), (3, 2, 2, 1),
+                                             (1, 1, 1, 3), (1, 2, 1, 40)])
+@pytest.mark.parametrize("k_len", [1024, 1500, 2600])
+def test_split_keys_few_tasks(rng, dtype, B, Hq, Hkv, q_len, k_len):
+    """Fewer than 8 tasks and >= 1024 keys: the kernel splits each task's keys into parts run
+    in parallel and merges them (split-K). Parts whose keys are all masked, padding at either
+    end, causal, per-head masks; the result must not depend on the thread count."""
+    q, k, v = qkv(rng, dtype, B, Hq, Hkv, q_len, k_len, 16)
+    mask = random_bool_mask(rng, (B, Hq, q_len, k_len), 0.7)
+    mask[..., : k_len // 2] = False                   # the first parts see nothing at all
+    mask[..., -1] = True                              # ... but every row sees something
+    bias = random_float_mask(rng, (B, Hq, q_len, k_len), 0.05)
+    for kwargs in (dict(), dict(attn_mask=mask), dict(attn_mask=bias, is_causal=True)):
+        outs = []
+        for n in (1, 2, 3):
+            with mha_cy.threads(n):
+                outs.append(mha_cy.scaled_dot_product_attention(q, k, v, **kwargs))
+        assert_close(outs[0], reference.scaled_dot_product_attention(q, k, v, **kwargs))
+        for out in outs[1:]:
+            np.testing.assert_array_equal(out, outs[0])
+    none = np.zeros((B, Hq, q_len, k_len), bool)      # every key of every row masked: zeros
+    np.testing.assert_array_equal(mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=none), 0)
+
+
 @pytest.mark.parametrize("dtypes", [(np.float32, np.float32, np.float64),
                                     (np.float64, np.float32, np.float32),
                                     (np.float32, np.float64, np.float32),
