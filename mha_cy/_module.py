@@ -91,6 +91,33 @@ class MultiHeadAttentionBase:
         self._setup(num_heads, num_kv_heads, dt, qw, kw, vw, ow, *biases)
         return self
 
+    @classmethod
+    def from_torch(cls, module, *, dtype=None):
+        """A module with the weights of a ``torch.nn.MultiheadAttention`` (torch itself is not
+        imported here). Its ``batch_first`` does not matter: mha_cy is always batch first.
+        Dropout is ignored (inference). ``add_bias_kv`` and ``add_zero_attn`` have no
+        equivalent and raise ValueError. dtype as in from_weights."""
+        if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
+            raise ValueError("module was made with add_bias_kv=True, which mha_cy does not support")
+        if getattr(module, "add_zero_attn", False):
+            raise ValueError("module was made with add_zero_attn=True, which mha_cy does not support")
+
+        def param(name, value):
+            return None if value is None else as_array(value, f"module.{name}")
+
+        if getattr(module, "in_proj_weight", None) is not None:      # kdim == vdim == embed_dim
+            q_weight, k_weight, v_weight = np.split(param("in_proj_weight", module.in_proj_weight), 3)
+        else:
+            q_weight, k_weight, v_weight = (param(n, getattr(module, n)) for n in (
+                "q_proj_weight", "k_proj_weight", "v_proj_weight"))
+        in_bias = param("in_proj_bias", getattr(module, "in_proj_bias", None))
+        q_bias, k_bias, v_bias = (None,) * 3 if in_bias is None else np.split(in_bias, 3)
+        return cls.from_weights(q_weight, k_weight, v_weight,
+                                param("out_proj.weight", module.out_proj.weight),
+                                num_heads=module.num_heads, q_bias=q_bias, k_bias=k_bias,
+                                v_bias=v_bias, out_bias=param("out_proj.bias", module.out_proj.bias),
+                                dtype=dtype)
+
     @staticmethod
     def _check_kv_heads(num_kv_heads, num_heads):
         if num_kv_heads is None:

@@ -257,3 +257,33 @@ def test_sdpa_causal_bottom_right(rng, dtype, q_len, k_len):
                           attn_mask=causal_lower_right(q_len, k_len))
     assert_torch_close(mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True), expected,
                        dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kdim,vdim", [(None, None), (12, 20)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch(rng, dtype, kdim, vdim, bias):
+    """MultiHeadAttention.from_torch reads a torch module directly (fused or separate q/k/v
+    projections, with or without bias) and gives torch's outputs."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    mod = torch.nn.MultiheadAttention(32, 4, bias=bias, kdim=kdim, vdim=vdim, batch_first=True,
+                                      dtype=TORCH_DTYPE[dtype]).eval()
+    if bias:
+        with torch.no_grad():
+            mod.in_proj_bias.uniform_(-0.5, 0.5)
+            mod.out_proj.bias.uniform_(-0.5, 0.5)
+    x = rng.standard_normal((2, 9, 32)).astype(dtype)
+    kv = rng.standard_normal((2, 11, kdim or 32)).astype(dtype)
+    val = rng.standard_normal((2, 11, vdim or 32)).astype(dtype)
+    expected = run_torch(mod, x, kv, val, need_weights=False)[0]
+    for cls in (mha_cy.MultiHeadAttention, reference.MultiHeadAttention):
+        mha = cls.from_torch(mod)
+        assert mha.dtype == np.dtype(dtype) and (mha.out_bias is not None) == bias
+        assert_torch_close(mha(x, kv, val), expected, dtype)
+
+
+def test_from_torch_rejects_bias_kv():
+    for kwargs in (dict(add_bias_kv=True), dict(add_zero_attn=True)):
+        mod = torch.nn.MultiheadAttention(8, 2, **kwargs)
+        with pytest.raises(ValueError, match="add_bias_kv|add_zero_attn"):
+            mha_cy.MultiHeadAttention.from_torch(mod)
