@@ -316,7 +316,8 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     p.causal = causal
     p.causal_offset = p.k_len - p.q_len
     p.heads_as_rows = p.q_len == 1 and p.group > 1
-    p.block_q, p.block_k = BLOCK_Q, BLOCK_K
+    # tiles no larger than the problem: short sequences get small per-thread scratch
+    p.block_q, p.block_k = min(BLOCK_Q, max(p.q_len, 1)), min(BLOCK_K, max(p.k_len, 1))
     p.q_blocks = (p.q_len + p.block_q - 1) // p.block_q
 
     cdef const floating[:, :, :, :] mask_view
