@@ -55,6 +55,7 @@ import math
 import operator
 import os
 import threading
+import warnings
 
 from ._openmp_helpers import openmp_enabled, openmp_max_threads
 
@@ -69,6 +70,21 @@ _lock = threading.Lock()
 _user_num_threads = None  # None: the default (see get_num_threads)
 _cpu_limit = None  # affinity / cgroup / OMP_NUM_THREADS bound, read once
 _OPENMP = openmp_enabled()
+
+# GNU OpenMP (libgomp) cannot run a parallel region in a child forked after the parent started
+# its thread pool: the child hangs (multiprocessing's default "fork" start method on Linux).
+# Such a child therefore runs the kernels on one thread, with a warning.
+_parallel_used = False          # a kernel may have started OpenMP threads in this process
+_forked_after_parallel = False  # this process is a fork of one where that happened
+
+
+def _after_fork_in_child():
+    global _forked_after_parallel
+    _forked_after_parallel = _forked_after_parallel or _parallel_used
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- thread count --------------------------------------------------------------
@@ -162,11 +178,37 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """Number of threads the kernels will use (always 1 without OpenMP)."""
+    """Number of threads the kernels will use (always 1 without OpenMP, and 1 in a process
+    forked from one whose kernels had started OpenMP threads: see _after_fork_in_child)."""
     n = _user_num_threads  # one read: no lock needed
-    if n is None:
-        return _default_num_threads()
-    return n if _OPENMP else 1
+    n = _default_num_threads() if n is None else (n if _OPENMP else 1)
+    if n > 1 and _forked_after_parallel:
+        _warn_forked_once()
+        return 1
+    return n
+
+
+def kernel_threads():
+    """get_num_threads(), for a kernel call about to run (which may start OpenMP threads)."""
+    global _parallel_used
+    n = get_num_threads()
+    if n > 1:
+        _parallel_used = True
+    return n
+
+
+_warned_forked = False
+
+
+def _warn_forked_once():
+    global _warned_forked
+    if not _warned_forked:
+        _warned_forked = True
+        warnings.warn(
+            "mha_cy runs single-threaded in this process: it was forked after OpenMP threads "
+            "had started in its parent, and GNU OpenMP hangs in such a child. Use the 'spawn' "
+            "or 'forkserver' start method of multiprocessing for parallel kernels.",
+            RuntimeWarning, stacklevel=3)
 
 
 @contextlib.contextmanager

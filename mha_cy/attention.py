@@ -11,7 +11,7 @@ import numpy as np
 from . import _attention_kernel, _linear_kernel
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
-from ._threads import blas_single_threaded, get_num_threads
+from ._threads import blas_single_threaded, kernel_threads
 
 __all__ = ["MultiHeadAttention", "scaled_dot_product_attention"]
 
@@ -63,7 +63,7 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     out = np.zeros(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     if out.size and k.shape[2]:
         with blas_single_threaded():
-            _attend(q, k, v, out, attn_mask, None, is_causal, scale, None, get_num_threads())
+            _attend(q, k, v, out, attn_mask, None, is_causal, scale, None, kernel_threads())
     return out
 
 
@@ -108,7 +108,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         batch, q_len, _ = query.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_q = heads * d
-        n_threads = get_num_threads()
+        n_threads = kernel_threads()
         with blas_single_threaded():
             if self_attention and self.in_proj_weight is not None:
                 qkv = _linear(query, self.in_proj_weight, self.in_proj_bias, n_threads)

@@ -1,5 +1,6 @@
 """Thread-count contract (mha_cy._threads) and BLAS single-threading."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 import scipy.linalg.cython_blas  # noqa: F401  (loads scipy's BLAS)
 from threadpoolctl import ThreadpoolController
+
+import mha_cy
 
 from mha_cy._openmp_helpers import (
     _parallel_team_size,
@@ -318,3 +321,39 @@ def test_blas_single_threaded_from_worker_thread(scipy_blas_two_threads):
     worker.join(5)
     assert seen == [1]
     assert _scipy_threads() == 2
+
+
+# -- fork ------------------------------------------------------------------------
+
+_FORK_MODULE = _FORK_INPUT = None     # set by the test before forking, read by the child
+_OPENMP = openmp_enabled()
+
+
+def _forward_in_child(_):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _FORK_MODULE(_FORK_INPUT)
+        n = mha_cy.get_num_threads()
+    return out, n, [str(w.message) for w in caught]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not _OPENMP, reason="needs fork and OpenMP")
+def test_forked_child_runs_single_threaded_instead_of_hanging():
+    """GNU OpenMP hangs in a child forked after the parent started OpenMP threads (the default
+    start method of multiprocessing on Linux): such a child must run on one thread, warn, and
+    give the parent's result."""
+    global _FORK_MODULE, _FORK_INPUT
+    _FORK_MODULE = mha_cy.MultiHeadAttention(64, 4, seed=0)
+    _FORK_INPUT = np.random.default_rng(0).standard_normal((2, 300, 64)).astype(np.float32)
+    with mha_cy.threads(2):
+        expected = _FORK_MODULE(_FORK_INPUT)        # starts the OpenMP thread pool
+        pool = multiprocessing.get_context("fork").Pool(1)
+        try:
+            out, n, messages = pool.map_async(_forward_in_child, [0]).get(timeout=120)[0]
+        finally:
+            pool.terminate()
+    assert n == 1
+    assert any("forked" in m for m in messages)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
