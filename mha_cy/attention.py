@@ -33,7 +33,7 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
     add = None
     if attn_mask is not None:
         if attn_mask.dtype == np.bool_:
-            attn_mask = np.where(attn_mask, 0, -np.inf).astype(dtype)
+            attn_mask = np.where(attn_mask, dtype.type(0), dtype.type(-np.inf))
         add = np.broadcast_to(attn_mask, shape)
     pad = None
     if key_padding_mask is not None:
@@ -60,10 +60,12 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     gives zeros. Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
     """
     q, k, v, attn_mask, is_causal, scale = check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale)
-    out = np.zeros(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
-    if out.size and k.shape[2]:
-        with blas_single_threaded():
-            _attend(q, k, v, out, attn_mask, None, is_causal, scale, None, kernel_threads())
+    shape = q.shape[:3] + (v.shape[3],)
+    if 0 in shape or k.shape[2] == 0:             # nothing to compute or to attend to
+        return np.zeros(shape, dtype=q.dtype)
+    out = np.empty(shape, dtype=q.dtype)
+    with blas_single_threaded():
+        _attend(q, k, v, out, attn_mask, None, is_causal, scale, None, kernel_threads())
     return out
 
 
