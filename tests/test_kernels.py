@@ -185,3 +185,30 @@ def test_softmax_precision_of_the_vectorized_exp(rng, dtype):
     big = expected > np.finfo(dtype).tiny * 1e3
     np.testing.assert_allclose(out[0, 0, 0][big], expected[big], rtol=8 * np.finfo(dtype).eps)
     assert (out[0, 0, 0][~big] <= np.finfo(dtype).tiny * 1e4).all()
+
+
+# -- tile sizes ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_q,block_k", [(1, 1), (3, 7), (64, 64), (512, 1024)])
+@pytest.mark.parametrize("q_len", [70, 1])        # many query rows; one (GQA decode tasks)
+def test_results_do_not_depend_on_the_tile_sizes(rng, dtype, block_q, block_k, q_len):
+    """Every tiling of queries and keys (down to 1 x 1) gives the reference's answer, with
+    masks, padding at both ends, causal and the weights path."""
+    from mha_cy import _attention_kernel
+    fast, ref = make_pair(rng, 32, 4, dtype, num_kv_heads=2)
+    keys = rng.standard_normal((2, 70, 32))
+    query = keys[:, -q_len:]
+    pad = np.zeros((2, 70), bool)
+    pad[0, :5] = pad[0, 60:] = pad[1, 30:40] = True
+    mask = rng.standard_normal((2, 4, q_len, 70))
+    previous = _attention_kernel._set_tile_sizes(block_q, block_k)
+    try:
+        for kwargs in (dict(is_causal=True, key_padding_mask=pad), dict(attn_mask=mask)):
+            out, weights = fast(query, keys, need_weights=True, **kwargs)
+            expected, expected_weights = ref(query, keys, need_weights=True, **kwargs)
+            assert_close(out, expected, dtype, factor=2)
+            assert_close(weights, expected_weights, dtype, factor=2)
+            assert_close(fast(query, keys, **kwargs), expected, dtype, factor=2)
+    finally:
+        _attention_kernel._set_tile_sizes(*previous)
