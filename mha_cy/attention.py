@@ -42,11 +42,11 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
 
 
 def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads):
-    """out[...] = attention of q over k, v (all (B, H, L, D) views), weights filled if given."""
+    """out[...] = attention of q over k, v ((B, H, L, D) views as _blas_operand returns them),
+    weights filled if given."""
     add, pad = _kernel_masks(attn_mask, key_padding_mask,
                              q.shape[:3] + (k.shape[2],), q.dtype)
-    _attention_kernel.attention(_blas_operand(q), _blas_operand(k), _blas_operand(v), out,
-                                add, pad, is_causal, scale, weights, n_threads)
+    _attention_kernel.attention(q, k, v, out, add, pad, is_causal, scale, weights, n_threads)
 
 
 def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -65,7 +65,8 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
         return np.zeros(shape, dtype=q.dtype)
     out = np.empty(shape, dtype=q.dtype)
     with blas_single_threaded():
-        _attend(q, k, v, out, attn_mask, None, is_causal, scale, None, kernel_threads())
+        _attend(_blas_operand(q), _blas_operand(k), _blas_operand(v), out, attn_mask, None,
+                is_causal, scale, None, kernel_threads())
     return out
 
 
@@ -130,6 +131,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                      kv_heads, d)
             if cache is not None:
                 k, v = cache._write(k, v)
+            # q, k, v are head views of the projections (or of the cache): BLAS-ready as they are
             context = np.empty((batch, q_len, n_q), dtype=self.dtype)
             weights = None
             if need_weights:
