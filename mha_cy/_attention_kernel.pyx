@@ -285,6 +285,13 @@ cdef inline Py_ssize_t _elem(Py_ssize_t stride_bytes, Py_ssize_t itemsize) noexc
     return stride_bytes // itemsize
 
 
+cdef inline int _team(int n_threads, Py_ssize_t n_tasks, double flops) noexcept:
+    """Threads for n_tasks tasks of `flops` in all: no more than the tasks, nor than the work
+    pays for (MIN_FLOPS_PER_THREAD each), nor than asked; at least 1."""
+    return <int> max(1, min(<Py_ssize_t> n_threads, n_tasks,
+                            <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
+
+
 def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
               const floating[:, :, :, :] v, floating[:, :, :, :] out,
               mask, pad, bint causal, floating scale, weights, int n_threads):
@@ -354,8 +361,7 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     cdef double flops = 2.0 * p.batch * p.q_heads * p.q_len * p.k_len * (p.d + p.dv)
     if p.causal:
         flops /= 2
-    cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks,
-                                     <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
+    cdef int team = _team(n_threads, n_tasks, flops)
     cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else p.block_q
     cdef Py_ssize_t bk = p.block_k
     cdef const floating *q_ptr = &q[0, 0, 0, 0]
@@ -377,12 +383,12 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     if n_tasks < MIN_PARALLEL_TASKS:
         n_parts = max(1, min((MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
                              p.k_len // (2 * bk)))
-    team = <int> max(1, min(<Py_ssize_t> n_threads, n_tasks * n_parts,
-                            <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
-    # parts' results: per part, acc (max_rows x dv), then running max and sum (max_rows each)
+    team = _team(n_threads, n_tasks * n_parts, flops)
+    # acc (max_rows x dv), then running max and sum (max_rows each): after the score tile in
+    # each thread's scratch, or per part in `parts` when the keys are split
     cdef Py_ssize_t part_size = max_rows * (p.dv + 2)
     cdef floating *parts = NULL
-    cdef floating *slot
+    cdef floating *acc
     if n_parts > 1:
         parts = <floating *> malloc(n_tasks * n_parts * part_size * sizeof(floating))
         if parts == NULL:
@@ -397,16 +403,10 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
         # every thread must reach the worksharing loop, even one without scratch
         for t in prange(n_tasks * n_parts, schedule='dynamic'):
             if scratch != NULL:
-                if n_parts == 1:
-                    _attend_task(&p, t, 1, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
-                                 pad_ptr, scratch, scratch + max_rows * bk,
-                                 scratch + max_rows * (bk + p.dv),
-                                 scratch + max_rows * (bk + p.dv + 1), True)
-                else:
-                    slot = parts + t * part_size
-                    _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
-                                 pad_ptr, scratch, slot, slot + max_rows * p.dv,
-                                 slot + max_rows * (p.dv + 1), False)
+                acc = scratch + max_rows * bk if n_parts == 1 else parts + t * part_size
+                _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+                             pad_ptr, scratch, acc, acc + max_rows * p.dv,
+                             acc + max_rows * (p.dv + 1), n_parts == 1)
         free(scratch)
     if n_parts > 1:
         if not failed:
