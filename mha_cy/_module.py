@@ -228,10 +228,7 @@ class MultiHeadAttentionBase:
         if attn_mask is not None:
             attn_mask = check_attn_mask(attn_mask, B, self.num_heads, Lq, Lk, dt)
 
-        if B == 0 or Lq == 0:
-            out = np.zeros((B, Lq, self.embed_dim), dt)
-            weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
-        elif Lk == 0:               # nothing to attend to: a context of zeros
+        if 0 in (B, Lq, Lk):        # nothing to compute, or nothing to attend to: zero context
             out = np.zeros((B, Lq, self.embed_dim), dt)
             if self.out_bias is not None:
                 out += self.out_bias
