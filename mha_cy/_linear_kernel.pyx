@@ -1,12 +1,15 @@
-"""The projections of multi-head attention: out := x @ weight.T + bias, split over threads.
+"""The projections of multi-head attention: out := x @ weight.T + bias, tiled over threads.
 
-x (M, K) rows are tokens, weight (N, K) is an nn.Linear weight. The work is cut into one
-block per thread, each one single-threaded BLAS call on disjoint output: by output columns
-when N is wide enough (each thread then reads only its own rows of the weight, which matters
-for decode steps where M is tiny and the weight dominates the traffic), else by rows. With a
-handful of rows against a weight larger than L2 (decode steps), a block is computed by
-src/small_gemm.c instead of BLAS.
+x (M, K) rows are tokens, weight (N, K) is an nn.Linear weight. The output is cut into a grid
+of tiles whose sizes depend on the shape alone (never on the thread count), and the threads
+take tiles dynamically; each tile is one single-threaded BLAS call. A BLAS call's rounding
+depends on its shape, so fixing the tiles by the shape makes the result bitwise the same for
+any number of threads. Tiles are near-square (a tile re-reads its rows of x and of the weight:
+square tiles re-read the least), except for decode steps: with a handful of rows against a
+weight larger than L2, tiles are column blocks (each thread streams only its own weight rows)
+computed by src/small_gemm.c instead of BLAS.
 """
+from libc.math cimport sqrt
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
@@ -22,10 +25,18 @@ cdef extern from "small_gemm.h" nogil:
                             const double *bias, double *out, Py_ssize_t ldo,
                             Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
 
-# Column blocks narrower than this make BLAS inefficient: split rows instead.
-cdef Py_ssize_t MIN_COLS_PER_THREAD = 128
-# Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
-cdef double MIN_FLOPS_PER_THREAD = 1e6
+# A tile is worth a thread's wake-up and its re-reads of x and w from about this much work.
+cdef double MIN_TILE_FLOPS = 16e6
+# At most this many tiles: enough to share among many cores and to even out 2 or 3 threads,
+# few enough that re-reading x and w per tile stays a few percent of the work.
+cdef Py_ssize_t MAX_TILES = 64
+# Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
+cdef Py_ssize_t COL_ALIGN = 16
+cdef Py_ssize_t ROW_ALIGN = 8
+
+
+cdef inline Py_ssize_t _round_up(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return (a + b - 1) // b * b
 
 
 cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py_ssize_t ldw,
@@ -58,6 +69,27 @@ cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py
           beta, out, <int> ldo)
 
 
+cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint few_rows,
+                     Py_ssize_t *tile_rows, Py_ssize_t *tile_cols) noexcept nogil:
+    """Tile sizes for an (M, N) output with inner size K: a function of the shape only.
+    About `target` tiles of near-square shape: the grid has round(M / side) x round(N / side)
+    tiles (at least 1 each way) for side = sqrt(M N / target)."""
+    cdef double flops = 2.0 * M * N * K
+    cdef double target = max(1.0, min(<double> MAX_TILES, flops / MIN_TILE_FLOPS))
+    cdef double side = sqrt(<double> M * N / target)
+    cdef Py_ssize_t row_tiles = 1 if few_rows else max(1, <Py_ssize_t> (M / side + 0.5))
+    cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
+    tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN))
+    tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN))
+
+
+def tile_grid(M, N, K, few_rows=False):
+    """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning)."""
+    cdef Py_ssize_t tr, tc
+    _tile_grid(M, N, K, few_rows, &tr, &tc)
+    return tr, tc
+
+
 def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
            floating[:, ::1] out, int n_threads):
     """out := x @ weight.T + bias (bias: None or a (N,) array of x's dtype).
@@ -81,30 +113,43 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef const floating *w_ptr = &weight[0, 0]
     cdef floating *o_ptr = &out[0, 0]
     cdef Py_ssize_t ldx = max(K, 1), ldo = N
-    cdef double flops = 2.0 * M * N * K
-    cdef Py_ssize_t n_useful = max(1, min(<Py_ssize_t> n_threads,
-                                          <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
     # decode steps: a few rows against a weight larger than L2 (small_gemm.h)
     cdef bint few_rows = (M <= MHA_SMALL_GEMM_MAX_ROWS
                           and N * K * sizeof(floating) >= MHA_SMALL_GEMM_MIN_WEIGHT_BYTES)
-    cdef bint by_columns = N >= MIN_COLS_PER_THREAD * n_useful or M < n_useful or few_rows
-    cdef Py_ssize_t extent = N if by_columns else M
-    cdef Py_ssize_t n_blocks = min(n_useful, extent)
-    # block size rounded up to 16 so column blocks start on cache-line-friendly offsets
-    cdef Py_ssize_t block = (extent + n_blocks - 1) // n_blocks
-    block = (block + 15) // 16 * 16
-    n_blocks = (extent + block - 1) // block
-    cdef Py_ssize_t t, start, size
+    cdef Py_ssize_t tile_rows, tile_cols
+    _tile_grid(M, N, K, few_rows, &tile_rows, &tile_cols)
+    cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
+    cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
+    cdef Py_ssize_t n_tiles = row_tiles * col_tiles
+    cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tiles))
+    cdef Py_ssize_t t, r0, c0
 
-    with nogil, parallel(num_threads=n_blocks):
-        for t in prange(n_blocks, schedule='static'):
-            start = t * block
-            size = min(block, extent - start)
-            if by_columns:
-                _linear_block(x_ptr, ldx, w_ptr + start * ldx,
-                              ldx, NULL if bias_ptr == NULL else bias_ptr + start,
-                              o_ptr + start, ldo, M, size, K, few_rows)
-            else:
-                _linear_block(x_ptr + start * ldx, ldx, w_ptr, ldx, bias_ptr,
-                              o_ptr + start * ldo, ldo, size, N, K, few_rows)
+    if team == 1:        # no parallel region: it costs microseconds even for one thread
+        with nogil:
+            for t in range(n_tiles):
+                r0 = (t // col_tiles) * tile_rows
+                c0 = (t % col_tiles) * tile_cols
+                _linear_block(x_ptr + r0 * ldx, ldx, w_ptr + c0 * ldx, ldx,
+                              NULL if bias_ptr == NULL else bias_ptr + c0,
+                              o_ptr + r0 * ldo + c0, ldo, min(tile_rows, M - r0),
+                              min(tile_cols, N - c0), K, few_rows)
+        return out
+    with nogil, parallel(num_threads=team):
+        for t in prange(n_tiles, schedule='dynamic'):
+            r0 = (t // col_tiles) * tile_rows
+            c0 = (t % col_tiles) * tile_cols
+            _linear_block(x_ptr + r0 * ldx, ldx, w_ptr + c0 * ldx, ldx,
+                          NULL if bias_ptr == NULL else bias_ptr + c0, o_ptr + r0 * ldo + c0,
+                          ldo, min(tile_rows, M - r0), min(tile_cols, N - c0), K, few_rows)
     return out
+
+
+def _set_tiling(min_tile_flops, max_tiles):
+    """Set MIN_TILE_FLOPS and MAX_TILES (tests: many tiles on small shapes); return the old pair."""
+    global MIN_TILE_FLOPS, MAX_TILES
+    if min_tile_flops <= 0 or max_tiles < 1:
+        raise ValueError(f"need min_tile_flops > 0 and max_tiles >= 1; got "
+                         f"({min_tile_flops}, {max_tiles})")
+    previous = (MIN_TILE_FLOPS, MAX_TILES)
+    MIN_TILE_FLOPS, MAX_TILES = min_tile_flops, max_tiles
+    return previous

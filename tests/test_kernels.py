@@ -7,6 +7,7 @@ import pytest
 import mha_cy
 from mha_cy import reference
 from mha_cy._cython_blas import BLAS_Trans, _gemm_memview
+from mha_cy import _linear_kernel
 from mha_cy._linear_kernel import linear
 
 from conftest import DTYPES, RTOL, assert_close, make_pair
@@ -47,10 +48,12 @@ def test_gemm_memview_beta_zero_ignores_nan():
 
 # -- _linear_kernel ---------------------------------------------------------------------------
 
-# linear() splits the output by columns when N >= 128 * threads or M < threads, else by rows;
-# blocks are rounded up to 16. Up to 8 rows against a weight of >= 1 MiB (small_gemm.h), blocks
-# of columns are computed by src/small_gemm.c in groups of 4 rows x 8, 4 or 1 weight rows, 16
-# lanes at a time (float; 8 for double): the "small" shapes hit every group size and remainder.
+# linear() cuts the output into near-square tiles whose sizes depend on the shape only (fewer
+# for small work: MIN_TILE_FLOPS); up to 8 rows against a weight of >= 1 MiB (small_gemm.h), the
+# tiles are column blocks computed by src/small_gemm.c in groups of 4 rows x 8, 4 or 1 weight
+# rows, 16 lanes at a time (float; 8 for double): the "small" shapes hit every group size and
+# remainder. The tests also run with tiny tiles (`many_tiles`) so that small shapes cross tile
+# edges in both directions.
 SHAPES = {
     "small_1_row": (1, 512, 600),        # M, K, N
     "small_2_rows_k_tail": (2, 1031, 270),
@@ -65,11 +68,24 @@ SHAPES = {
 }
 
 
+@pytest.fixture(params=[False, True], ids=["default_tiles", "many_tiles"])
+def tiling(request):
+    """Run a test with the default tiling, then with tiles of a few hundred flops."""
+    if not request.param:
+        yield
+        return
+    previous = _linear_kernel._set_tiling(200.0, 1000)
+    try:
+        yield
+    finally:
+        _linear_kernel._set_tiling(*previous)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear(rng, dtype, shape, n_threads, with_bias):
+def test_linear(rng, dtype, shape, n_threads, with_bias, tiling):
     M, K, N = shape
     x = rng.standard_normal((M, K)).astype(dtype)
     w = rng.standard_normal((N, K)).astype(dtype)
@@ -84,18 +100,34 @@ def test_linear(rng, dtype, shape, n_threads, with_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_same_result_any_thread_count(rng, dtype):
-    x = rng.standard_normal((70, 48)).astype(dtype)
-    w = rng.standard_normal((300, 48)).astype(dtype)
-    b = rng.standard_normal(300).astype(dtype)
+@pytest.mark.parametrize("shape", [(70, 48, 300), (300, 64, 700), (5, 700, 800)],
+                         ids=["blas", "blas_2d_grid", "small_gemm"])
+def test_linear_bitwise_same_for_any_thread_count(rng, dtype, shape, tiling):
+    """Tiles depend on the shape only, so BLAS rounds every element the same way."""
+    M, K, N = shape
+    x = rng.standard_normal((M, K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    b = rng.standard_normal(N).astype(dtype)
     outs = []
-    for n in (1, 2, 3, 7):
-        out = np.empty((70, 300), dtype)
+    for n in (1, 2, 3, 4, 7):
+        out = np.empty((M, N), dtype)
         linear(x, w, b, out, n)
         outs.append(out)
     for out in outs[1:]:
-        np.testing.assert_allclose(out, outs[0], rtol=4 * np.finfo(dtype).eps,
-                                   atol=4 * np.finfo(dtype).eps * np.abs(outs[0]).max())
+        np.testing.assert_array_equal(out, outs[0])
+
+
+@pytest.mark.parametrize("shape", [(128, 768, 2304), (4096, 768, 2304), (4096, 768, 768),
+                                   (16, 64, 192), (1, 1, 1), (3, 5, 10 ** 6)])
+def test_tile_grid_covers_and_is_bounded(shape):
+    M, K, N = shape
+    rows, cols = _linear_kernel.tile_grid(M, N, K)
+    assert 1 <= rows <= M and 1 <= cols <= N
+    assert (cols == N or cols % 16 == 0) and (rows == M or rows % 8 == 0)
+    n_tiles = -(-M // rows) * -(-N // cols)
+    flops = 2.0 * M * N * K
+    target = max(1, min(64, flops / 16e6))
+    assert target / 2 - 1 <= n_tiles <= 2 * target + 2      # near the target count
 
 
 def test_linear_rejects_inconsistent_shapes():
