@@ -5,11 +5,15 @@ of tiles whose sizes depend on the shape alone (never on the thread count), and 
 take tiles dynamically; each tile is one single-threaded BLAS call. A BLAS call's rounding
 depends on its shape, so fixing the tiles by the shape makes the result bitwise the same for
 any number of threads. Tiles are near-square (a tile re-reads its rows of x and of the weight:
-square tiles re-read the least), except for decode steps: with a handful of rows against a
-weight larger than L2, tiles are column blocks (each thread streams only its own weight rows)
-computed by src/small_gemm.c instead of BLAS.
+square tiles re-read the least), except on the two paths that replace BLAS, where tiles are
+column blocks over all rows:
+- up to 8 rows against a weight larger than L2 (decode steps), src/small_gemm.c: each thread
+  streams only its own weight rows, once;
+- up to PANEL_MAX_ROWS rows, src/row_panel_gemm.c: x is packed once into panels shared by
+  the tiles, the weight is read in place (BLAS's per-call costs dominate at these sizes).
 """
 from libc.math cimport sqrt
+from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
@@ -25,6 +29,27 @@ cdef extern from "small_gemm.h" nogil:
                             const double *bias, double *out, Py_ssize_t ldo,
                             Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
 
+cdef extern from "row_panel_gemm.h" nogil:
+    Py_ssize_t mha_row_panels_size_f32(Py_ssize_t m, Py_ssize_t k)
+    Py_ssize_t mha_row_panels_size_f64(Py_ssize_t m, Py_ssize_t k)
+    void mha_pack_row_panels_f32(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,
+                                 float *packed)
+    void mha_pack_row_panels_f64(const double *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,
+                                 double *packed)
+    void mha_row_panel_gemm_f32(const float *packed, Py_ssize_t m, Py_ssize_t k, const float *w,
+                                Py_ssize_t ldw, const float *bias, float *out, Py_ssize_t ldo,
+                                Py_ssize_t j0, Py_ssize_t j1)
+    void mha_row_panel_gemm_f64(const double *packed, Py_ssize_t m, Py_ssize_t k,
+                                const double *w, Py_ssize_t ldw, const double *bias,
+                                double *out, Py_ssize_t ldo, Py_ssize_t j0, Py_ssize_t j1)
+    int mha_row_panel_set_isa(int level)
+
+# Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements).
+cdef Py_ssize_t PANEL_MAX_ROWS = 256
+# Where src/small_gemm.c replaces BLAS (small_gemm.h has the measurements); variables so that
+# tuning and tests can move the crossover (_set_small_gemm_rule).
+cdef Py_ssize_t SMALL_GEMM_MAX_ROWS = MHA_SMALL_GEMM_MAX_ROWS
+cdef Py_ssize_t SMALL_GEMM_MIN_WEIGHT_BYTES = MHA_SMALL_GEMM_MIN_WEIGHT_BYTES
 # A tile is worth a thread's wake-up and its re-reads of x and w from about this much work.
 cdef double MIN_TILE_FLOPS = 16e6
 # At most this many tiles: enough to share among many cores and to even out 2 or 3 threads,
@@ -67,6 +92,24 @@ cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py
         return
     _gemm(NoTrans, Trans, <int> m, <int> n, <int> k, <floating> 1, x, <int> ldx, w, <int> ldw,
           beta, out, <int> ldo)
+
+
+cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t tile_rows,
+                             Py_ssize_t tile_cols, const floating *x, Py_ssize_t ldx,
+                             const floating *w, const floating *bias, floating *out,
+                             Py_ssize_t ldo, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                             bint few_rows, const floating *packed) noexcept nogil:
+    """Tile t of the grid (row-major order of tiles); packed: x in row panels, or NULL."""
+    cdef Py_ssize_t r0 = (t // col_tiles) * tile_rows, c0 = (t % col_tiles) * tile_cols
+    cdef Py_ssize_t c1 = min(c0 + tile_cols, N)
+    if packed != NULL:   # the tile is a column block over all M rows
+        if floating is float:
+            mha_row_panel_gemm_f32(packed, M, K, w, ldx, bias, out, ldo, c0, c1)
+        else:
+            mha_row_panel_gemm_f64(packed, M, K, w, ldx, bias, out, ldo, c0, c1)
+        return
+    _linear_block(x + r0 * ldx, ldx, w + c0 * ldx, ldx, NULL if bias == NULL else bias + c0,
+                  out + r0 * ldo + c0, ldo, min(tile_rows, M - r0), c1 - c0, K, few_rows)
 
 
 cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint few_rows,
@@ -114,10 +157,25 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef floating *o_ptr = &out[0, 0]
     cdef Py_ssize_t ldx = max(K, 1), ldo = N
     # decode steps: a few rows against a weight larger than L2 (small_gemm.h)
-    cdef bint few_rows = (M <= MHA_SMALL_GEMM_MAX_ROWS
-                          and N * K * sizeof(floating) >= MHA_SMALL_GEMM_MIN_WEIGHT_BYTES)
+    cdef bint few_rows = (M <= SMALL_GEMM_MAX_ROWS
+                          and N * K * sizeof(floating) >= SMALL_GEMM_MIN_WEIGHT_BYTES)
+    # moderate row counts: x packed once into panels, shared by every column tile
+    cdef bint panels = not few_rows and M <= PANEL_MAX_ROWS and K > 0
+    cdef floating *packed = NULL
+    if panels:
+        if floating is float:
+            packed = <floating *> malloc(mha_row_panels_size_f32(M, K) * sizeof(floating))
+        else:
+            packed = <floating *> malloc(mha_row_panels_size_f64(M, K) * sizeof(floating))
+        if packed == NULL:
+            raise MemoryError("linear: could not allocate the packed rows of x")
+        with nogil:
+            if floating is float:
+                mha_pack_row_panels_f32(x_ptr, ldx, M, K, packed)
+            else:
+                mha_pack_row_panels_f64(x_ptr, ldx, M, K, packed)
     cdef Py_ssize_t tile_rows, tile_cols
-    _tile_grid(M, N, K, few_rows, &tile_rows, &tile_cols)
+    _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles
@@ -127,20 +185,14 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     if team == 1:        # no parallel region: it costs microseconds even for one thread
         with nogil:
             for t in range(n_tiles):
-                r0 = (t // col_tiles) * tile_rows
-                c0 = (t % col_tiles) * tile_cols
-                _linear_block(x_ptr + r0 * ldx, ldx, w_ptr + c0 * ldx, ldx,
-                              NULL if bias_ptr == NULL else bias_ptr + c0,
-                              o_ptr + r0 * ldo + c0, ldo, min(tile_rows, M - r0),
-                              min(tile_cols, N - c0), K, few_rows)
-        return out
-    with nogil, parallel(num_threads=team):
-        for t in prange(n_tiles, schedule='dynamic'):
-            r0 = (t // col_tiles) * tile_rows
-            c0 = (t % col_tiles) * tile_cols
-            _linear_block(x_ptr + r0 * ldx, ldx, w_ptr + c0 * ldx, ldx,
-                          NULL if bias_ptr == NULL else bias_ptr + c0, o_ptr + r0 * ldo + c0,
-                          ldo, min(tile_rows, M - r0), min(tile_cols, N - c0), K, few_rows)
+                _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
+                             o_ptr, ldo, M, N, K, few_rows, packed)
+    else:
+        with nogil, parallel(num_threads=team):
+            for t in prange(n_tiles, schedule='dynamic'):
+                _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
+                             o_ptr, ldo, M, N, K, few_rows, packed)
+    free(packed)
     return out
 
 
@@ -153,3 +205,25 @@ def _set_tiling(min_tile_flops, max_tiles):
     previous = (MIN_TILE_FLOPS, MAX_TILES)
     MIN_TILE_FLOPS, MAX_TILES = min_tile_flops, max_tiles
     return previous
+
+
+def _set_small_gemm_rule(max_rows, min_weight_bytes):
+    """Use small_gemm for <= max_rows rows and weights >= min_weight_bytes; return the old pair."""
+    global SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES
+    previous = (SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES)
+    SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES = max_rows, min_weight_bytes
+    return previous
+
+
+def _set_panel_max_rows(max_rows):
+    """Use src/row_panel_gemm.c up to max_rows rows (0: never); return the old value."""
+    global PANEL_MAX_ROWS
+    previous = PANEL_MAX_ROWS
+    PANEL_MAX_ROWS = max_rows
+    return previous
+
+
+def _set_panel_isa(level):
+    """Run row_panel_gemm's micro-kernel for ISA level 2 (AVX-512), 1 (AVX2) or 0 (baseline),
+    capped at what the CPU has (-1: the best); return the previous level. Tests only."""
+    return mha_row_panel_set_isa(level)

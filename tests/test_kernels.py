@@ -64,21 +64,40 @@ SHAPES = {
     "blas_columns": (40, 24, 300),       # wide N
     "blas_rows": (70, 24, 40),
     "blas_rows_uneven": (33, 7, 100),
+    "panel_rows_tail_and_weight_rows_tail": (37, 50, 83),
+    "more_rows_than_panels_handle": (300, 40, 70),
     "tiny": (1, 1, 1),
 }
 
 
-@pytest.fixture(params=[False, True], ids=["default_tiles", "many_tiles"])
+# How linear() may compute: its default rule; tiles of a few hundred flops; BLAS wherever
+# small_gemm does not apply; src/row_panel_gemm.c for every row count, with the best
+# micro-kernel of this CPU and with the baseline (SSE2) one.
+LINEAR_PATHS = {
+    "default": {},
+    "many_tiles": {"tiling": (200.0, 1000)},
+    "blas": {"panel_max_rows": 0},
+    "panels": {"panel_max_rows": 1 << 30},
+    "panels_baseline_isa": {"panel_max_rows": 1 << 30, "panel_isa": 0},
+}
+
+
+@pytest.fixture(params=list(LINEAR_PATHS), ids=list(LINEAR_PATHS))
 def tiling(request):
-    """Run a test with the default tiling, then with tiles of a few hundred flops."""
-    if not request.param:
-        yield
-        return
-    previous = _linear_kernel._set_tiling(200.0, 1000)
+    """Run a test once per entry of LINEAR_PATHS, restoring the defaults afterwards."""
+    setters = {"tiling": _linear_kernel._set_tiling,
+               "panel_max_rows": _linear_kernel._set_panel_max_rows,
+               "panel_isa": _linear_kernel._set_panel_isa}
+    restore = []
     try:
-        yield
+        for name, value in LINEAR_PATHS[request.param].items():
+            args = value if isinstance(value, tuple) else (value,)
+            previous = setters[name](*args)
+            restore.append((setters[name], previous))
+        yield request.param
     finally:
-        _linear_kernel._set_tiling(*previous)
+        for setter, previous in reversed(restore):
+            setter(*(previous if isinstance(previous, tuple) else (previous,)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

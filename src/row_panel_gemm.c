@@ -1,0 +1,194 @@
+/* Projections of a moderate number of token rows: see row_panel_gemm.h.
+ *
+ * The micro-kernel is compiled three times per type, for AVX-512, AVX2 + FMA and the x86-64
+ * baseline, each with vector types of its own register width, and picked once by the CPU
+ * (gcc's target_clones cannot do that: its clones share one source, hence one vector width).
+ * Other compilers and CPUs, and -march=native builds, get the baseline code built for the
+ * compile target. */
+#include <string.h>
+
+#include "row_panel_gemm.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(MHA_CY_NATIVE_BUILD)
+#define MHA_PANEL_DISPATCH 1
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+/* A vector type and its unaligned, aliasing twin for loads from the packed panels. */
+#define MHA_VECTOR_TYPES(REAL, BYTES, NAME)                                                 \
+    typedef REAL NAME __attribute__((vector_size(BYTES)));                                  \
+    typedef REAL NAME##_u __attribute__((vector_size(BYTES), aligned(sizeof(REAL)), may_alias))
+
+MHA_VECTOR_TYPES(float, 16, mha_f32x4);
+MHA_VECTOR_TYPES(double, 16, mha_f64x2);
+
+/* ---- float ---- */
+#define REAL float
+#define SUFFIX f32
+#define PR MHA_PANEL_ROWS_F32
+
+ptrdiff_t mha_row_panels_size_f32(ptrdiff_t m, ptrdiff_t k) { return (m + PR - 1) / PR * PR * k; }
+
+#define ISA _base
+#define ISA_TARGET
+#define VEC mha_f32x4
+#define VEC_U mha_f32x4_u
+#define NV (PR / 4)
+#define NB_MAX 2          /* 8 of the 16 SSE registers */
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+
+#ifdef MHA_PANEL_DISPATCH
+MHA_VECTOR_TYPES(float, 32, mha_f32x8);
+MHA_VECTOR_TYPES(float, 64, mha_f32x16);
+#define ISA _avx2
+#define ISA_TARGET TARGET_AVX2
+#define VEC mha_f32x8
+#define VEC_U mha_f32x8_u
+#define NV (PR / 8)
+#define NB_MAX 6          /* 12 of the 16 AVX2 registers */
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+#define ISA _avx512
+#define ISA_TARGET TARGET_AVX512
+#define VEC mha_f32x16
+#define VEC_U mha_f32x16_u
+#define NV (PR / 16)
+#define NB_MAX 8          /* 8 FMA chains: 2 FMA units x 4 cycles latency */
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+#endif
+#undef REAL
+#undef SUFFIX
+#undef PR
+
+/* ---- double ---- */
+#define REAL double
+#define SUFFIX f64
+#define PR MHA_PANEL_ROWS_F64
+
+ptrdiff_t mha_row_panels_size_f64(ptrdiff_t m, ptrdiff_t k) { return (m + PR - 1) / PR * PR * k; }
+
+#define ISA _base
+#define ISA_TARGET
+#define VEC mha_f64x2
+#define VEC_U mha_f64x2_u
+#define NV (PR / 2)
+#define NB_MAX 2
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+
+#ifdef MHA_PANEL_DISPATCH
+MHA_VECTOR_TYPES(double, 32, mha_f64x4);
+MHA_VECTOR_TYPES(double, 64, mha_f64x8);
+#define ISA _avx2
+#define ISA_TARGET TARGET_AVX2
+#define VEC mha_f64x4
+#define VEC_U mha_f64x4_u
+#define NV (PR / 4)
+#define NB_MAX 6
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+#define ISA _avx512
+#define ISA_TARGET TARGET_AVX512
+#define VEC mha_f64x8
+#define VEC_U mha_f64x8_u
+#define NV (PR / 8)
+#define NB_MAX 8
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+#endif
+#undef REAL
+#undef SUFFIX
+#undef PR
+
+/* ---- packing and dispatch, per type ---- */
+#define DEFINE_PACK_AND_DISPATCH(REAL, SUFFIX, PR)                                            \
+    void mha_pack_row_panels_##SUFFIX(const REAL *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, \
+                                      REAL *packed)                                         \
+    {                                                                                        \
+        for (ptrdiff_t i0 = 0; i0 < m; i0 += PR) {                                           \
+            REAL *panel = packed + i0 * k;                                                   \
+            ptrdiff_t rows = m - i0 < PR ? m - i0 : PR;                                      \
+            for (ptrdiff_t p = 0; p < k; p++) {                                              \
+                for (ptrdiff_t r = 0; r < rows; r++)                                         \
+                    panel[p * PR + r] = x[(i0 + r) * ldx + p];                               \
+                for (ptrdiff_t r = rows; r < PR; r++)                                        \
+                    panel[p * PR + r] = 0;                                                   \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    void mha_row_panel_gemm_##SUFFIX(const REAL *packed, ptrdiff_t m, ptrdiff_t k,           \
+                                     const REAL *w, ptrdiff_t ldw, const REAL *bias,         \
+                                     REAL *out, ptrdiff_t ldo, ptrdiff_t j0, ptrdiff_t j1)   \
+    {                                                                                        \
+        DISPATCH(SUFFIX)(packed, m, k, w, ldw, bias, out, ldo, j0, j1);                      \
+    }
+
+#ifdef MHA_PANEL_DISPATCH
+/* The best level this CPU runs: 2 AVX-512, 1 AVX2 + FMA, 0 the baseline. */
+static int mha_panel_cpu_isa(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
+static int mha_panel_level = -1;     /* chosen at the first call; tests may lower it */
+
+static int mha_panel_isa(void)
+{
+    if (mha_panel_level < 0)
+        mha_panel_level = mha_panel_cpu_isa();
+    return mha_panel_level;
+}
+
+int mha_row_panel_set_isa(int level)
+{
+    int previous = mha_panel_isa(), best = mha_panel_cpu_isa();
+    mha_panel_level = level < 0 || level > best ? best : level;
+    return previous;
+}
+#define DISPATCH(SUFFIX)                                                                     \
+    (mha_panel_isa() == 2 ? row_panel_gemm_##SUFFIX##_avx512                                 \
+     : mha_panel_isa() == 1 ? row_panel_gemm_##SUFFIX##_avx2 : row_panel_gemm_##SUFFIX##_base)
+#else
+#define DISPATCH(SUFFIX) row_panel_gemm_##SUFFIX##_base
+int mha_row_panel_set_isa(int level) { (void)level; return 0; }
+#endif
+
+DEFINE_PACK_AND_DISPATCH(float, f32, MHA_PANEL_ROWS_F32)
+DEFINE_PACK_AND_DISPATCH(double, f64, MHA_PANEL_ROWS_F64)
