@@ -5,7 +5,9 @@
 - The test cases (workload x implementation) are generated here, because the thread counts of the
   ``threads`` workload depend on the option.
 - ``machine_info`` of the saved JSON gains an ``mha_bench`` entry: thread count, CPU model, the
-  BLAS/OpenMP environment variables, package versions and ``mha_cy.build_info()``. The measured
+  BLAS/OpenMP environment variables, package versions, ``mha_cy.build_info()`` and
+  ``blas_kernels``: the kernels (threadpoolctl's ``architecture``) scipy's OpenBLAS (the one
+  mha_cy calls) and numpy's run, which OPENBLAS_CORETYPE can force to an older core. The measured
   roof (sgemm GFLOP/s, memory read/copy GB/s) varies run to run, so it goes in each benchmark's
   ``extra_info`` instead (a varying machine_info would make every ``--benchmark-compare`` warn).
 - The JSON also gets ``mha_command`` (the pytest command line) and ``mha_load`` (how many CPUs
@@ -79,6 +81,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def blas_kernels() -> dict:
+    """{"scipy": core, "numpy": core}: the kernels each package's own BLAS runs."""
+    import scipy.linalg  # noqa: F401  (loads scipy's BLAS)
+    import threadpoolctl
+
+    out = {}
+    for lib in threadpoolctl.threadpool_info():
+        if lib.get("user_api") != "blas":
+            continue
+        parts = os.path.realpath(lib.get("filepath", "")).split(os.sep)
+        for package in ("scipy", "numpy"):  # wheels keep their BLAS in <package>.libs/
+            if any(p == package or p.startswith(package + ".") for p in parts):
+                out[package] = f"{lib.get('internal_api')} {lib.get('version')} {lib.get('architecture', '?')}"
+    return out
+
+
 def bench_machine_info(threads: int) -> dict:
     """The stable facts of this machine and software stack (what the report prints)."""
     import mha_cy
@@ -94,6 +112,7 @@ def bench_machine_info(threads: int) -> dict:
         "cpu_model": _cpu_model(),
         "logical_cpus": os.cpu_count(),
         "env": dict(_ENV),
+        "blas_kernels": blas_kernels(),
         "versions": implementations.versions(),
         "mha_cy_build_info": build,
     }

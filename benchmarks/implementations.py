@@ -15,7 +15,14 @@ baseline's layout for the output check.
 - ``onnxruntime``: an ONNX graph built with ``onnx.helper``: MatMul projections around the
   ``com.microsoft`` ``MultiHeadAttention`` contrib op (MHA workloads) or ``GroupQueryAttention``
   (GQA workloads, with the KV cache shared between ``past_*`` and ``present_*`` through IOBinding,
-  as ORT's generation loop does, so no cache copy is timed).
+  as ORT's generation loop does, so no cache copy is timed); for ``mha`` and ``sdpa`` workloads
+  also the standard ONNX ``Attention`` op (opset 23): prepare times both variants briefly and
+  keeps the faster (the notes say which, with both times).
+- ``openvino``: a graph built with OpenVINO's Python opset API (MatMul projections + bias Add,
+  Reshape/Transpose into heads, ``ScaledDotProductAttention``, Transpose back, MatMul), compiled
+  for "CPU" in f32 (``INFERENCE_PRECISION_HINT``; the default may be bf16), with
+  ``INFERENCE_NUM_THREADS`` and the latency hint; the notes list the layer types the CPU plugin
+  actually ran (it may decompose SDPA into MatMul + Softmax).
 
 Peers that are not importable are reported as unavailable (the tests skip with the reason).
 All implementations run with the same thread count: ``thread_limits(n)`` sets NumPy's BLAS and
@@ -28,7 +35,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
+import statistics
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -53,6 +63,11 @@ try:
 except ImportError as exc:  # pragma: no cover
     ort = None
     _ORT_ERROR = f"onnxruntime/onnx is not importable ({exc})"
+try:
+    import openvino as ov
+except ImportError as exc:  # pragma: no cover
+    ov = None
+    _OV_ERROR = f"openvino is not importable ({exc})"
 
 PREFILL_CHUNK = 256  # tokens per prefill call (bounds the baseline's Lq x Lk score tensor)
 
@@ -82,6 +97,30 @@ class Prepared:
         return self.to_numpy(self.run(*args, **kwargs))
 
 
+def _joined(result) -> np.ndarray:
+    """(output, weights) as one flat array, so that one output check covers both."""
+    out, weights = result
+    return np.concatenate([np.ravel(np.asarray(out)), np.ravel(np.asarray(weights))])
+
+
+def _fastest(variants: list) -> Prepared:
+    """The faster of several ``(label, Prepared)`` ways to run a workload (a short median)."""
+    timed = []
+    for label, prepared in variants:
+        prepared.run()  # warm-up
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            prepared.run()
+            times.append(time.perf_counter() - t0)
+        timed.append((statistics.median(times), label, prepared))
+    timed.sort(key=lambda t: t[0])
+    best = timed[0][2]
+    if len(timed) > 1:
+        best.notes += "; fastest of " + ", ".join(f"{label} {t * 1e3:.3g} ms" for t, label, _ in timed)
+    return best
+
+
 class Implementation:
     name = ""
     threads_at_prepare = False  # True: the prepared object depends on the thread count
@@ -109,15 +148,19 @@ class _MhaCyAPI(Implementation):
             q_bias=d["bq"], k_bias=d["bk"], v_bias=d["bv"], out_bias=d["bo"])
 
     def prepare(self, w, d, threads):
+        causal = w.causal
         if w.kind == "sdpa":
             sdpa = self.module.scaled_dot_product_attention
-            q, k, v = d["q"], d["k"], d["v"]
-            return Prepared(lambda: sdpa(q, k, v), notes="scaled_dot_product_attention, GQA K/V as is")
+            q, k, v, mask = d["q"], d["k"], d["v"], d["attn_mask"]
+            return Prepared(lambda: sdpa(q, k, v, attn_mask=mask, is_causal=causal),
+                            notes="scaled_dot_product_attention(attn_mask=, is_causal=), GQA K/V as is")
         mha = self._from_weights(w, d)
         if w.kind == "mha":
-            x, kpm, causal = d["x"], d["kpm"], w.causal
-            return Prepared(lambda: mha(x, key_padding_mask=kpm, is_causal=causal),
-                            notes="MultiHeadAttention.from_weights(...)(x, key_padding_mask=, is_causal=)")
+            x, kpm, weights = d["x"], d["kpm"], w.need_weights
+            return Prepared(lambda: mha(x, key_padding_mask=kpm, is_causal=causal, need_weights=weights),
+                            to_numpy=_joined if weights else np.asarray,
+                            notes="MultiHeadAttention.from_weights(...)(x, key_padding_mask=, is_causal="
+                                  + (", need_weights=True)" if weights else ")"))
         # decode: prefill a cache through the API, then time one step; the cache is rewound per round
         cache = mha.new_cache(w.B, w.Lk)
         prompt = d["prompt"]
@@ -162,20 +205,28 @@ class _Torch(Implementation):
         return None if torch is not None else _TORCH_ERROR
 
 
+def _no_weights(w, who):
+    return f"{who} returns no attention weights" if w.need_weights else None
+
+
 class TorchSDPA(_Torch):
     name = "torch_sdpa"
+
+    def unsupported(self, w):
+        return _no_weights(w, "F.scaled_dot_product_attention")
 
     def prepare(self, w, d, threads):
         B, Hq, Hkv, D = w.B, w.Hq, w.Hkv, w.D
         if w.kind == "sdpa":
-            q, k, v = _t(d["q"]), _t(d["k"]), _t(d["v"])
-            gqa = Hq != Hkv
+            q, k, v, mask = _t(d["q"]), _t(d["k"]), _t(d["v"]), _t(d["attn_mask"])
+            gqa, causal = Hq != Hkv, w.causal
 
             @torch.inference_mode()
             def run():
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                      enable_gqa=gqa)
             return Prepared(run, to_numpy=lambda o: o.numpy(),
-                            notes="F.scaled_dot_product_attention(enable_gqa=True)")
+                            notes="F.scaled_dot_product_attention(attn_mask=, is_causal=, enable_gqa=)")
 
         wq, wk, wv, wo = (_t(d[n]) for n in ("wq", "wk", "wv", "wo"))
         bq, bk, bv, bo = (_t(d[n]) for n in ("bq", "bk", "bv", "bo"))
@@ -225,7 +276,7 @@ class TorchMHA(_Torch):
         return None
 
     def prepare(self, w, d, threads):
-        E, causal = w.E, w.causal
+        E, causal, weights = w.E, w.causal, w.need_weights
         m = torch.nn.MultiheadAttention(E, w.Hq, bias=True, batch_first=True)
         with torch.no_grad():
             m.in_proj_weight.copy_(_t(np.concatenate([d["wq"], d["wk"], d["wv"]])))
@@ -240,10 +291,12 @@ class TorchMHA(_Torch):
 
         @torch.inference_mode()
         def run():
-            return m(x, x, x, key_padding_mask=kpm, need_weights=False, attn_mask=attn_mask,
-                     is_causal=causal)[0]
-        return Prepared(run, to_numpy=lambda o: o.numpy(),
-                        notes="nn.MultiheadAttention(batch_first=True), need_weights=False")
+            out = m(x, x, x, key_padding_mask=kpm, need_weights=weights, attn_mask=attn_mask,
+                    is_causal=causal, average_attn_weights=False)
+            return out if weights else out[0]
+        return Prepared(run, to_numpy=_joined if weights else (lambda o: o.numpy()),
+                        notes="nn.MultiheadAttention(batch_first=True), need_weights="
+                              + ("True, average_attn_weights=False" if weights else "False"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,16 +313,44 @@ def _ort_session(model, threads):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _make_model(nodes, inputs, outputs, initializers):
+def _make_model(nodes, inputs, outputs, initializers, opset=17):
     h = onnx.helper
     graph = h.make_graph(nodes, "attention", inputs, outputs, initializers)
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset), h.make_opsetid("com.microsoft", 1)])
     model.ir_version = min(model.ir_version, 10)
     return model
 
 
 def _tensor(name, elem, shape):
     return onnx.helper.make_tensor_value_info(name, elem, shape)
+
+
+def _initializers(d, names, transposed=False):
+    nh = onnx.numpy_helper
+    return [nh.from_array(np.ascontiguousarray(d[n].T if transposed else d[n]), n + ("_t" if transposed else ""))
+            for n in names]
+
+
+def _projections(d, biases=True, names="qkv"):
+    """MatMul (+ Add) nodes x -> q, k, v (B, L, H*D), output names ``names``, and the
+    initializers of all four projections (Wo^T and bo too)."""
+    mk = onnx.helper.make_node
+    nodes, inits = [], _initializers(d, ("wq", "wk", "wv", "wo"), transposed=True)
+    if biases:
+        inits += _initializers(d, ("bq", "bk", "bv", "bo"))
+    for c, name in zip("qkv", names):
+        if biases:
+            nodes += [mk("MatMul", ["x", f"w{c}_t"], [c + "0"]), mk("Add", [c + "0", "b" + c], [name])]
+        else:
+            nodes.append(mk("MatMul", ["x", f"w{c}_t"], [name]))
+    return nodes, inits
+
+
+def _sdpa_layout(w, d):
+    """The sdpa inputs as (B, L, H*D), the layout of the ops that take packed heads."""
+    def packed(a):
+        return np.ascontiguousarray(a.transpose(0, 2, 1, 3).reshape(a.shape[0], a.shape[2], -1))
+    return {c: packed(d[c]) for c in "qkv"}
 
 
 class OnnxRuntime(Implementation):
@@ -279,42 +360,93 @@ class OnnxRuntime(Implementation):
     def unavailable(self):
         return None if ort is not None else _ORT_ERROR
 
-    def prepare(self, w, d, threads):
-        if w.kind == "mha":
-            return self._prepare_mha(w, d, threads)
-        return self._prepare_gqa(w, d, threads)
+    def unsupported(self, w):
+        return _no_weights(w, "the ORT attention ops used here")
 
-    def _prepare_mha(self, w, d, threads):
-        """x -> MatMul(Wq^T), MatMul(Wk^T), MatMul(Wv^T) -> MultiHeadAttention(q, k, v, bias=[bq bk bv],
-        key_padding_mask) -> MatMul(Wo^T) -> Add(bo).
+    def prepare(self, w, d, threads):
+        if w.kind == "decode":  # the standard op would copy past_* into present_* every step
+            return self._prepare_gqa(w, d, threads)
+        variants = [("ONNX Attention", self._onnx_attention(w, d, threads))]
+        if w.Hq != w.Hkv:
+            variants.append(("GroupQueryAttention", self._prepare_gqa(w, d, threads)))
+        else:
+            variants.append(("MultiHeadAttention", self._contrib_mha(w, d, threads)))
+        return _fastest(variants)
+
+    def _contrib_mha(self, w, d, threads):
+        """mha: x -> MatMul(Wq^T), MatMul(Wk^T), MatMul(Wv^T) -> MultiHeadAttention(q, k, v,
+        bias=[bq bk bv], key_padding_mask) -> MatMul(Wo^T) -> Add(bo); sdpa: the op alone on q, k,
+        v given as (B, L, H*D).
 
         The contrib op adds the projection biases itself (its ``bias`` input). Key padding mask:
         int32 (B, Lk), **1 = keep, 0 = padding** (the opposite polarity to ours). Causal:
         ``unidirectional=1`` (Lq == Lk here, so top-left and bottom-right alignment agree).
         """
         T = onnx.TensorProto
-        nh = onnx.numpy_helper
-        inits = [nh.from_array(np.ascontiguousarray(d[n].T), n + "_t") for n in ("wq", "wk", "wv", "wo")]
-        inits += [nh.from_array(np.concatenate([d["bq"], d["bk"], d["bv"]]), "bqkv"), nh.from_array(d["bo"], "bo")]
         mk = onnx.helper.make_node
-        nodes = [mk("MatMul", ["x", f"w{c}_t"], [c]) for c in "qkv"]
+        B, L, HD = w.B, w.Lq, w.Hq * w.D
         pad = d["kpm"] is not None
         attrs = dict(num_heads=w.Hq)
         if w.causal:
             attrs["unidirectional"] = 1
-        nodes.append(mk("MultiHeadAttention", ["q", "k", "v", "bqkv", "kpm" if pad else ""], ["ctx"],
+        if w.kind == "mha":
+            nodes, inits = _projections(d, biases=False)
+            inits += [onnx.numpy_helper.from_array(np.concatenate([d["bq"], d["bk"], d["bv"]]), "bqkv"),
+                      onnx.numpy_helper.from_array(d["bo"], "bo")]
+            inputs, feed = [_tensor("x", T.FLOAT, ["B", "L", w.E])], {"x": d["x"]}
+            bias, out, shape = "bqkv", "ctx", ["B", "L", w.E]
+            to_numpy = np.asarray
+        else:
+            nodes, inits, bias, out, shape = [], [], "", "y", [B, L, HD]
+            feed = _sdpa_layout(w, d)
+            inputs = [_tensor(c, T.FLOAT, [B, L, HD]) for c in "qkv"]
+            to_numpy = lambda y: y.reshape(B, L, w.Hq, w.D).transpose(0, 2, 1, 3)  # noqa: E731
+        nodes.append(mk("MultiHeadAttention", ["q", "k", "v", bias, "kpm" if pad else ""], [out],
                         domain="com.microsoft", **attrs))
-        nodes += [mk("MatMul", ["ctx", "wo_t"], ["y0"]), mk("Add", ["y0", "bo"], ["y"])]
-        inputs = [_tensor("x", T.FLOAT, ["B", "L", w.E])]
-        feed = {"x": d["x"]}
+        if w.kind == "mha":
+            nodes += [mk("MatMul", ["ctx", "wo_t"], ["y0"]), mk("Add", ["y0", "bo"], ["y"])]
         if pad:
-            inputs.append(_tensor("kpm", T.INT32, ["B", "L"]))
+            inputs.append(_tensor("kpm", T.INT32, [B, w.Lk]))
             feed["kpm"] = (~d["kpm"]).astype(np.int32)  # built once, outside the timing
-        model = _make_model(nodes, inputs, [_tensor("y", T.FLOAT, ["B", "L", w.E])], inits)
+        sess = _ort_session(_make_model(nodes, inputs, [_tensor("y", T.FLOAT, shape)], inits), threads)
+        options = [o for o, on in (("bias fused", w.kind == "mha"), ("int32 key_padding_mask 1=keep", pad),
+                                   ("unidirectional=1", w.causal)) if on]
+        notes = f"com.microsoft.MultiHeadAttention ({', '.join(options) or 'no mask'})"
+        if w.kind == "mha":
+            notes = f"MatMul x3 + {notes} + MatMul + Add"
+        return Prepared(lambda: sess.run(None, feed)[0], to_numpy=to_numpy, notes=notes)
+
+    def _onnx_attention(self, w, d, threads):
+        """The standard ONNX ``Attention`` op (opset 23): mha: MatMul+Add x3 -> Attention on
+        (B, L, H*D) with q_num_heads/kv_num_heads -> MatMul+Add; sdpa: the op alone on q, k, v
+        (B, H, L, D). Key padding: a bool attn_mask (B, 1, Lq, Lk), True = attend (ORT wants the
+        query axis spelled out); causal: ``is_causal=1``. GQA is native (no repeated K/V)."""
+        T = onnx.TensorProto
+        mk = onnx.helper.make_node
+        B, Lq, Lk = w.B, w.Lq, w.Lk
+        pad = d["kpm"] is not None
+        if w.kind == "mha":
+            nodes, inits = _projections(d)
+            inputs, feed = [_tensor("x", T.FLOAT, ["B", "L", w.E])], {"x": d["x"]}
+            shape, out = ["B", "L", w.E], "ctx"
+        else:
+            nodes, inits, shape, out = [], [], [B, w.Hq, Lq, w.D], "y"
+            feed = {c: d[c] for c in "qkv"}
+            inputs = [_tensor(c, T.FLOAT, list(d[c].shape)) for c in "qkv"]
+        if pad:
+            inputs.append(_tensor("mask", T.BOOL, [B, 1, Lq, Lk]))
+            feed["mask"] = np.ascontiguousarray(np.broadcast_to(~d["kpm"][:, None, None, :], (B, 1, Lq, Lk)))
+        nodes.append(mk("Attention", ["q", "k", "v", "mask" if pad else ""], [out],
+                        q_num_heads=w.Hq, kv_num_heads=w.Hkv, is_causal=int(w.causal)))
+        if w.kind == "mha":
+            nodes += [mk("MatMul", ["ctx", "wo_t"], ["y0"]), mk("Add", ["y0", "bo"], ["y"])]
+        model = _make_model(nodes, inputs, [_tensor("y", T.FLOAT, shape)], inits, opset=23)
         sess = _ort_session(model, threads)
-        notes = ("MatMul x3 + com.microsoft.MultiHeadAttention (bias fused"
-                 + (", int32 key_padding_mask 1=keep" if pad else "")
-                 + (", unidirectional=1" if w.causal else "") + ") + MatMul + Add")
+        options = [o for o, on in (("bool attn_mask (B,1,Lq,Lk)", pad), ("is_causal=1", w.causal),
+                                   ("GQA native", w.Hq != w.Hkv)) if on]
+        notes = f"ONNX Attention (opset 23{''.join(', ' + o for o in options)})"
+        if w.kind == "mha":
+            notes = f"MatMul+Add x3 + {notes} + MatMul+Add"
         return Prepared(lambda: sess.run(None, feed)[0], notes=notes)
 
     def _prepare_gqa(self, w, d, threads):
@@ -346,14 +478,8 @@ class OnnxRuntime(Implementation):
             to_numpy = lambda y: y.reshape(B, 1, Hq, D).transpose(0, 2, 1, 3).copy()  # noqa: E731
             notes = "com.microsoft.GroupQueryAttention, past/present KV buffer shared (IOBinding)"
         else:
-            nh = onnx.numpy_helper
-            for n in ("wq", "wk", "wv", "wo"):
-                inits.append(nh.from_array(np.ascontiguousarray(d[n].T), n + "_t"))
-            for n in ("bq", "bk", "bv", "bo"):
-                inits.append(nh.from_array(d[n], n))
-            for c in "qkv":
-                nodes += [mk("MatMul", ["x", f"w{c}_t"], [c + "0"]), mk("Add", [c + "0", "b" + c], [
-                    {"q": "query", "k": "key", "v": "value"}[c]])]
+            nodes, inits = _projections(d)
+            nodes += [mk("Identity", [c], [name]) for c, name in zip("qkv", ("query", "key", "value"))]
             inputs.append(_tensor("x", T.FLOAT, [B, 1, w.E]))
             kbuf = np.zeros((B, Hkv, Lk, D), np.float32)
             vbuf = np.zeros((B, Hkv, Lk, D), np.float32)
@@ -396,8 +522,121 @@ class OnnxRuntime(Implementation):
         return Prepared(run, to_numpy=to_numpy, notes=notes)
 
 
+# --------------------------------------------------------------------------------------------
+# OpenVINO
+
+
+def _ov_opset():
+    """The newest opset module that has everything used here (some opsets only add a few ops)."""
+    for v in range(30, 12, -1):
+        try:
+            ops = importlib.import_module(f"openvino.opset{v}")
+        except ImportError:
+            continue
+        if hasattr(ops, "scaled_dot_product_attention") and hasattr(ops, "matmul"):
+            return ops
+    raise ImportError("no openvino opset with scaled_dot_product_attention")
+
+
+class _OVGraph:
+    """The few graph pieces every OpenVINO workload is made of."""
+
+    def __init__(self, w):
+        self.w, self.ops = w, _ov_opset()
+        self.params, self.feeds = [], []
+
+    def shape(self, *dims):
+        return self.ops.constant(np.array(dims, np.int64))
+
+    def input(self, name, array):
+        self.params.append(self.ops.parameter(list(array.shape), array.dtype, name=name))
+        self.feeds.append(np.ascontiguousarray(array))
+        return self.params[-1]
+
+    def linear(self, x, weight, bias):  # x @ W^T + b, W in nn.Linear's (out, in) layout
+        return self.ops.add(self.ops.matmul(x, self.ops.constant(weight), False, True), self.ops.constant(bias))
+
+    def heads(self, x, heads):  # (B, L, H*D) -> (B, H, L, D)
+        w = self.w
+        return self.ops.transpose(self.ops.reshape(x, self.shape(w.B, -1, heads, w.D), False), self.shape(0, 2, 1, 3))
+
+    def attention(self, q, k, v, mask=None):
+        """ScaledDotProductAttention; GQA (one query token) as the group's query heads stacked
+        as query rows against their shared K/V head: exact, and no repeated K/V."""
+        w, ops = self.w, self.ops
+        if w.Hq == w.Hkv:
+            return ops.scaled_dot_product_attention(q, k, v, attention_mask=mask, causal=w.causal)
+        grouped = ops.reshape(q, self.shape(w.B, w.Hkv, w.Hq // w.Hkv, w.D), False)
+        o = ops.scaled_dot_product_attention(grouped, k, v)
+        return ops.reshape(o, self.shape(w.B, w.Hq, 1, w.D), False)
+
+    def merge_heads(self, o):  # (B, H, L, D) -> (B, L, H*D)
+        w = self.w
+        return self.ops.reshape(self.ops.transpose(o, self.shape(0, 2, 1, 3)), self.shape(w.B, -1, w.Hq * w.D), False)
+
+
+class OpenVINO(Implementation):
+    name = "openvino"
+    threads_at_prepare = True
+
+    def unavailable(self):
+        return None if ov is not None else _OV_ERROR
+
+    def unsupported(self, w):
+        if w.Hq != w.Hkv and w.Lq != 1:
+            return "GQA is built here for one query token only (no such workload)"
+        return _no_weights(w, "ScaledDotProductAttention")
+
+    def prepare(self, w, d, threads):
+        g = _OVGraph(w)
+        ops = g.ops
+        mask = None
+        if d.get("kpm") is not None:  # bool, True = attend (the op's convention), broadcast over heads/queries
+            mask = g.input("mask", ~d["kpm"][:, None, None, :])
+        if w.kind == "sdpa":
+            q, k, v = (g.input(c, d[c]) for c in "qkv")
+            y = g.attention(q, k, v, mask)
+            notes = "ScaledDotProductAttention on q, k, v"
+        else:
+            x = g.input("x", d["x"])
+            q, k, v = (g.heads(g.linear(x, d["w" + c], d["b" + c]), h)
+                       for c, h in (("q", w.Hq), ("k", w.Hkv), ("v", w.Hkv)))
+            notes = "MatMul+Add x3, Reshape/Transpose, ScaledDotProductAttention"
+            if w.kind == "decode":
+                # The cache holds the prompt's K/V as inputs; the step's K/V join them by Concat,
+                # which copies the cache every step: a graph cannot write into its inputs.
+                k = ops.concat([g.input("k_past", d["k_prefix"]), k], 2)
+                v = ops.concat([g.input("v_past", d["v_prefix"]), v], 2)
+                notes += " over Concat(K/V cache input, step's K/V) (copies the cache per step)"
+            y = g.linear(g.merge_heads(g.attention(q, k, v, mask)), d["wo"], d["bo"])
+            notes += ", Transpose/Reshape, MatMul+Add"
+        if w.Hq != w.Hkv:
+            notes += "; GQA: each group's query heads as query rows of its K/V head"
+        if mask is not None:
+            notes += "; key padding as a bool mask (B,1,1,Lk)"
+        if w.causal:
+            notes += "; causal=True"
+        compiled = ov.Core().compile_model(ov.Model([y], g.params, "attention"), "CPU", {
+            ov.properties.hint.inference_precision: ov.Type.f32,  # not bf16/f16 by default
+            ov.properties.inference_num_threads: threads,
+            ov.properties.hint.performance_mode: ov.properties.hint.PerformanceMode.LATENCY})
+        precision = compiled.get_property(ov.properties.hint.inference_precision)
+        assert precision == ov.Type.f32, f"OpenVINO compiled for {precision}, not f32"
+        request = compiled.create_infer_request()
+        for i, array in enumerate(g.feeds):  # zero-copy inputs, bound once
+            request.set_input_tensor(i, ov.Tensor(array, shared_memory=True))
+        ran = sorted({op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()}
+                     - {"Const", "Input", "Output"})
+        notes += "; the CPU plugin ran: " + ", ".join(ran)
+
+        def run(_keep=g.feeds):
+            request.infer()
+            return request.get_output_tensor(0).data
+        return Prepared(run, to_numpy=np.copy, notes=notes)
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    impl.name: impl for impl in (MhaCy(), NumpyBaseline(), TorchSDPA(), TorchMHA(), OnnxRuntime())
+    impl.name: impl for impl in (MhaCy(), NumpyBaseline(), TorchSDPA(), TorchMHA(), OnnxRuntime(), OpenVINO())
 }
 
 
@@ -408,4 +647,6 @@ def versions() -> dict:
     if ort is not None:
         v["onnxruntime"] = ort.__version__
         v["onnx"] = onnx.__version__
+    if ov is not None:
+        v["openvino"] = ov.__version__
     return v

@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/report.py                       # runs `pytest benchmarks/` itself, then reports
+    python benchmarks/report.py --default-env         # + the SDPA workloads in the environment as it is
     python benchmarks/report.py run1.json [run2.json]  # reports saved runs (--benchmark-json / --benchmark-save)
     python benchmarks/report.py --chart speedups.png   # also writes a bar chart (needs matplotlib)
     python benchmarks/report.py --mha-threads 1 -- -k "encoder or tiny"   # options passed to pytest
@@ -12,6 +13,13 @@ workloads, GB/s for memory-bound ones, and the fraction of the machine's measure
 over the NumPy baseline, and the ratio to the fastest peer (torch, onnxruntime): how many times
 faster than the fastest peer (>1 = faster, <1 = slower). The ``threads`` table adds each
 implementation's parallel speedup over its own 1-thread time.
+
+The suite runs in a subprocess whose environment lacks OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
+(``USER_ENV_DROPS``): a machine may set them to force OpenBLAS onto older, slower kernels, and a
+user's machine has no such variables; the report prints the kernels that ran (scipy's OpenBLAS,
+the one mha_cy calls, and numpy's). ``--default-env`` then also runs the attention-only
+workloads (``DEFAULT_ENV_WORKLOADS``) with the environment untouched, to show what the
+variables cost on this machine.
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINE = "numpy"
-PEERS = ("torch_sdpa", "torch_mha", "onnxruntime")
-IMPL_ORDER = ("mha_cy", "numpy", "torch_sdpa", "torch_mha", "onnxruntime")
-WORKLOAD_ORDER = ("encoder", "encoder_batched", "long_causal", "decode_gqa", "decode_proj", "tiny", "threads")
+PEERS = ("torch_sdpa", "torch_mha", "onnxruntime", "openvino")
+IMPL_ORDER = ("mha_cy", "numpy", "torch_sdpa", "torch_mha", "onnxruntime", "openvino")
+WORKLOAD_ORDER = ("encoder", "encoder_weights", "encoder_batched", "long_causal", "encoder_sdpa",
+                  "encoder_batched_sdpa", "long_causal_sdpa", "decode_gqa", "decode_proj", "tiny", "threads")
+USER_ENV_DROPS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+DEFAULT_ENV_WORKLOADS = ("encoder_sdpa", "encoder_batched_sdpa", "long_causal_sdpa")
 
 
 def fmt_time(seconds: float) -> str:
@@ -80,13 +91,15 @@ def machine_line(data: dict) -> str:
         parts.append(f"roof: sgemm {roof['sgemm_gflops']:.0f} GFLOP/s, memory read {_mem_roof(roof):.0f} GB/s"
                      + (f" (copy {roof['copy_gbps']:.0f} GB/s)" if "read_gbps" in roof else ""))
     v = mb.get("versions", {})
-    parts.append(", ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "onnxruntime") if k in v))
+    parts.append(", ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "onnxruntime", "openvino") if k in v))
     bi = mb.get("mha_cy_build_info") or {}
     if bi:
         parts.append("mha_cy " + _build_summary(bi))
+    kernels = mb.get("blas_kernels") or {}
+    if kernels:
+        parts.append("BLAS kernels: " + ", ".join(f"{pkg}'s {k}" for pkg, k in sorted(kernels.items())))
     env = mb.get("env") or {}
-    if env:
-        parts.append(" ".join(f"{k}={val}" for k, val in env.items()))
+    parts.append("environment: " + (" ".join(f"{k}={val}" for k, val in env.items()) or "no BLAS/OpenMP variables"))
     line = "Machine: " + "; ".join(parts) + "."
     load = data.get("mha_load") or {}
     if load.get("other_processes_cpus") is not None:
@@ -181,11 +194,25 @@ def workload_caption(workload: str, rows: list) -> str:
     return f"### {workload}\n\n{shape}; {roof_txt}.\n"
 
 
+def weights_cost(by_workload: dict) -> str | None:
+    """need_weights=True over the same call without: encoder_weights / encoder, per implementation."""
+    plain = {r["implementation"]: r["median"] for r in by_workload.get("encoder", [])}
+    ratios = [(r["implementation"], r["median"] / plain[r["implementation"]])
+              for r in sorted(by_workload.get("encoder_weights", []), key=_impl_key) if r["implementation"] in plain]
+    if not ratios:
+        return None
+    return ("need_weights=True costs (median time / encoder's): "
+            + ", ".join(f"`{name}` {ratio:.2f}×" for name, ratio in ratios) + " (target: at most 1.5×).")
+
+
 def report(data: dict, source: str) -> str:
     out = [f"Source: {source}", "", machine_line(data), ""]
-    for workload, rows in rows_by_workload(data).items():
+    by_workload = rows_by_workload(data)
+    for workload, rows in by_workload.items():
         out.append(workload_caption(workload, rows))
         out += workload_table(workload, rows)
+        if workload == "encoder_weights" and weights_cost(by_workload):
+            out += ["", weights_cost(by_workload)]
         out.append("")
     if len(out) == 4:
         out.append("(no mha_cy benchmark in this file)")
@@ -212,7 +239,7 @@ def chart(datasets: list, path: str) -> None:
     width = 0.8 / max(len(impls), 1)
     fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(groups)), 4.8))
     colors = {"mha_cy": "#d62728", "numpy": "#7f7f7f", "torch_sdpa": "#1f77b4", "torch_mha": "#aec7e8",
-              "onnxruntime": "#2ca02c"}
+              "onnxruntime": "#2ca02c", "openvino": "#9467bd"}
     for j, impl in enumerate(impls):
         xs = [i + (j - (len(impls) - 1) / 2) * width for i, (_, g) in enumerate(groups) if impl in g]
         ys = [g[impl] for _, g in groups if impl in g]
@@ -238,7 +265,11 @@ def chart(datasets: list, path: str) -> None:
     plt.close(fig)
 
 
-def run_suite(threads: int | None, pytest_args: list) -> tuple[dict, str]:
+def run_suite(threads: int | None, pytest_args: list, user_env: bool = True) -> tuple[dict, str]:
+    """Run the suite in a subprocess; ``user_env``: without the variables of ``USER_ENV_DROPS``
+    (OpenBLAS reads them when it loads, so only a fresh process can drop them)."""
+    env = {k: v for k, v in os.environ.items() if not (user_env and k in USER_ENV_DROPS)}
+    dropped = [k for k in USER_ENV_DROPS if user_env and k in os.environ]
     fd, path = tempfile.mkstemp(prefix="mha_bench_", suffix=".json")
     os.close(fd)
     root = os.path.dirname(HERE)
@@ -247,8 +278,9 @@ def run_suite(threads: int | None, pytest_args: list) -> tuple[dict, str]:
     if threads is not None:
         cmd.append(f"--mha-threads={threads}")
     cmd += pytest_args
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, cwd=root, stdout=sys.stderr)
+    print("$ " + "".join(f"env -u {k} " for k in dropped) + " ".join(shlex.quote(c) for c in cmd),
+          file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=root, env=env, stdout=sys.stderr)
     if proc.returncode != 0:
         sys.exit(f"pytest failed with exit code {proc.returncode}")
     data = load(path)
@@ -267,6 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("json", nargs="*", help="pytest-benchmark JSON files (default: run the suite)")
     p.add_argument("--chart", metavar="PNG", help="write a bar chart of the speedups over numpy")
     p.add_argument("--mha-threads", type=int, default=None, help="passed to pytest when running the suite")
+    p.add_argument("--default-env", action="store_true",
+                   help="also run the SDPA workloads with the environment as it is (OPENBLAS_CORETYPE ... kept)")
     args = p.parse_args(argv)
 
     if args.json:
@@ -276,6 +310,11 @@ def main(argv=None) -> int:
     for data, source in datasets:
         command = data.get("mha_command")
         print(report(data, source + (f" (made by: `{command}`)" if command else "")))
+    if args.default_env and not args.json:
+        selected = ["-k", " or ".join(DEFAULT_ENV_WORKLOADS)]
+        data, source = run_suite(args.mha_threads, selected, user_env=False)
+        print("## In this machine's default environment (variables as they are)\n")
+        print(report(data, source.replace("report.py", "report.py --default-env")))
     if args.chart:
         try:
             chart(datasets, args.chart)

@@ -4,7 +4,10 @@ A workload is one attention problem, float32 throughout. ``kind`` says which ent
 
 - ``"mha"``: a full ``MultiHeadAttention`` forward, ``y = mha(x, key_padding_mask=..., is_causal=...)``:
   Q/K/V projections, attention, output projection. Self-attention, ``Lq == Lk == L``, ``E = H * D``.
-- ``"sdpa"``: ``scaled_dot_product_attention(q, k, v)`` alone, q ``(B, Hq, Lq, D)``, k/v ``(B, Hkv, Lk, D)``.
+- ``"sdpa"``: ``scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=...)`` alone, q
+  ``(B, Hq, Lq, D)``, k/v ``(B, Hkv, Lk, D)``. The ``*_sdpa`` workloads are the attention part of
+  the ``mha`` workload of the same name (same shapes, padding and causality), so attention can be
+  compared apart from the projections (and across BLAS environments: it calls little BLAS).
 - ``"decode"``: one incremental decoding step ``y = mha(x_step, cache=cache)``, x_step ``(B, 1, E)``,
   with a KV cache already holding ``Lk - 1`` tokens; the step appends its K/V and attends over all
   ``Lk`` cached tokens.
@@ -22,14 +25,17 @@ scaling are O(B*H*Lq*Lk) or smaller and are left out (as is customary, e.g. Flas
       padding     : not discounted (the count is the dense problem; a kernel may skip padded keys)
       flops = projections + attention
 
+  ``need_weights`` (encoder_weights) does the same products; it also writes the (B, Hq, L, L)
+  weights, which is what its time beside ``encoder``'s measures.
+
   e.g. encoder_batched: 8*8*512*768^2 + 4*8*512^2*768 = 19.33 + 6.44 = 25.8 GFLOP.
   Bytes (the unavoidable traffic, for the record; these workloads are compute-bound)::
 
       bytes = 4 * (B*L*E [x] + 4*E*E + 4*E [weights, biases] + B*L*E [y] + B*L [mask, bool])
 
-- ``sdpa`` decode over a cache (memory-bound: the K/V cache is read once, nothing is reused)::
+- ``sdpa``: ``flops = 4*B*Hq*Lq*Lk*D`` (causal: times (L + 1) / (2 * L), as above). Decoding
+  over a cache (decode_gqa) is memory-bound: the K/V cache is read once, nothing is reused::
 
-      flops = 4*B*Hq*Lq*Lk*D
       bytes = 4 * (2*B*Hkv*Lk*D [K, V] + 2*B*Hq*Lq*D [q, o])
 
   decode_gqa: 4*8*2048*128*4*2 = 64 MiB of K/V per call, 134 MFLOP.
@@ -73,21 +79,20 @@ class Workload:
     D: int
     causal: bool = False
     padding: bool = False  # key padding: last 25% of keys padded in the first half of the batch
+    need_weights: bool = False  # "mha": also return the per-head weights (B, Hq, Lq, Lk)
     bound: str = "compute"
     description: str = ""
 
     @property
     def flops(self) -> int:
         B, Lq, Lk, E, Hq, Hkv, D = self.B, self.Lq, self.Lk, self.E, self.Hq, self.Hkv, self.D
+        attention = 4 * B * Hq * Lq * Lk * D
+        if self.causal:  # Lq == Lk in the causal workloads
+            attention = attention * (Lq + 1) // (2 * Lq)
         if self.kind == "mha":
-            L = Lq
-            projections = 2 * B * L * E * E * 4
-            attention = 4 * B * L * L * E
-            if self.causal:
-                attention = attention * (L + 1) // (2 * L)
-            return projections + attention
+            return 2 * B * Lq * E * E * 4 + attention
         if self.kind == "sdpa":
-            return 4 * B * Hq * Lq * Lk * D
+            return attention
         if self.kind == "decode":
             return 2 * B * E * (Hq * D + 2 * Hkv * D) + 2 * B * Hq * D * E + 4 * B * Hq * Lk * D
         raise ValueError(f"unknown kind {self.kind!r}")
@@ -114,18 +119,30 @@ class Workload:
         return d
 
 
-_ENCODER_BATCHED = dict(kind="mha", B=8, Lq=512, Lk=512, E=768, Hq=12, Hkv=12, D=64, padding=True)
+_ENCODER = dict(B=1, Lq=128, Lk=128, E=768, Hq=12, Hkv=12, D=64)
+_ENCODER_BATCHED = dict(B=8, Lq=512, Lk=512, E=768, Hq=12, Hkv=12, D=64, padding=True)
+_LONG_CAUSAL = dict(B=1, Lq=4096, Lk=4096, E=512, Hq=8, Hkv=8, D=64, causal=True)
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
-        Workload("encoder", "mha", B=1, Lq=128, Lk=128, E=768, Hq=12, Hkv=12, D=64,
+        Workload("encoder", "mha", **_ENCODER,
                  description="batch 1, 128 tokens, d_model 768, 12 heads, no mask"),
-        Workload("encoder_batched", **_ENCODER_BATCHED,
+        Workload("encoder_weights", "mha", **_ENCODER, need_weights=True,
+                 description="encoder with need_weights=True: the output and the per-head "
+                             "weights (B, 12, 128, 128)"),
+        Workload("encoder_batched", "mha", **_ENCODER_BATCHED,
                  description="batch 8, 512 tokens, d_model 768, 12 heads, key padding mask "
                              "(last 25% of keys padded in half the batch)"),
-        Workload("long_causal", "mha", B=1, Lq=4096, Lk=4096, E=512, Hq=8, Hkv=8, D=64, causal=True,
+        Workload("long_causal", "mha", **_LONG_CAUSAL,
                  description="batch 1, 4096 tokens, d_model 512, 8 heads, causal"),
+        Workload("encoder_sdpa", "sdpa", **_ENCODER,
+                 description="the attention of encoder alone: q, k, v (1, 12, 128, 64)"),
+        Workload("encoder_batched_sdpa", "sdpa", **_ENCODER_BATCHED,
+                 description="the attention of encoder_batched alone: q, k, v (8, 12, 512, 64), "
+                             "key padding as a bool attn_mask (8, 1, 1, 512)"),
+        Workload("long_causal_sdpa", "sdpa", **_LONG_CAUSAL,
+                 description="the attention of long_causal alone: q, k, v (1, 8, 4096, 64), causal"),
         Workload("decode_gqa", "sdpa", B=4, Lq=1, Lk=2048, E=4096, Hq=32, Hkv=8, D=128,
                  bound="memory",
                  description="scaled_dot_product_attention of 1 new token over a 2048-token K/V "
@@ -136,7 +153,7 @@ WORKLOADS: dict[str, Workload] = {
                              "tokens + the new one, batch 4, 32 query heads, 8 KV heads"),
         Workload("tiny", "mha", B=1, Lq=16, Lk=16, E=64, Hq=4, Hkv=4, D=16,
                  description="batch 1, 16 tokens, d_model 64, 4 heads (per-call overhead)"),
-        Workload("threads", **_ENCODER_BATCHED,
+        Workload("threads", "mha", **_ENCODER_BATCHED,
                  description="encoder_batched at 1 and at 2 (or --mha-threads) threads"),
     ]
 }
@@ -154,7 +171,8 @@ def make_data(name: str, seed: int = 0) -> dict:
     (std ~ 1/sqrt(in_features)), so activations stay O(1) and the fp32 tolerances mean something.
 
     Keys: ``mha``: wq wk wv wo bq bk bv bo x kpm (kpm: bool (B, L), True = padding, or None).
-    ``sdpa``: q k v. ``decode``: the weights, ``prompt`` (B, Lk - 1, E) to prefill a cache with,
+    ``sdpa``: q k v kpm, and ``attn_mask``: ``~kpm`` as bool (B, 1, 1, Lk), True = may attend, or
+    None. ``decode``: the weights, ``prompt`` (B, Lk - 1, E) to prefill a cache with,
     ``x`` (B, 1, E) the step, and ``k_prefix``/``v_prefix`` (B, Hkv, Lk - 1, D), the K/V of the prompt
     for implementations that are handed a cache directly (computed here once with NumPy).
     """
@@ -164,10 +182,15 @@ def make_data(name: str, seed: int = 0) -> dict:
     def normal(shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    kpm = None
+    if w.padding:
+        kpm = np.zeros((w.B, w.Lk), dtype=bool)
+        kpm[: w.B // 2, w.Lk - w.Lk // 4:] = True
     if w.kind == "sdpa":
         return dict(q=normal((w.B, w.Hq, w.Lq, w.D)),
                     k=normal((w.B, w.Hkv, w.Lk, w.D)),
-                    v=normal((w.B, w.Hkv, w.Lk, w.D)))
+                    v=normal((w.B, w.Hkv, w.Lk, w.D)),
+                    kpm=kpm, attn_mask=None if kpm is None else ~kpm[:, None, None, :])
 
     E, HqD, HkvD = w.E, w.Hq * w.D, w.Hkv * w.D
     d = dict(wq=normal((HqD, E), E ** -0.5), wk=normal((HkvD, E), E ** -0.5),
@@ -175,10 +198,6 @@ def make_data(name: str, seed: int = 0) -> dict:
              bq=normal(HqD, 0.1), bk=normal(HkvD, 0.1), bv=normal(HkvD, 0.1), bo=normal(E, 0.1))
     if w.kind == "mha":
         d["x"] = normal((w.B, w.Lq, E))
-        kpm = None
-        if w.padding:
-            kpm = np.zeros((w.B, w.Lk), dtype=bool)
-            kpm[: w.B // 2, w.Lk - w.Lk // 4:] = True
         d["kpm"] = kpm
         return d
     # decode

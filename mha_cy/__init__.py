@@ -12,6 +12,7 @@ Layout of the package (one job per file):
   _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
   _threads.py             the thread-count contract; BLAS held to one thread inside kernels
   _build_info.py          build_info(): version, OpenMP, threads, BLAS, SIMD level
+  _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: per-row masking, online softmax and a vectorized exp
 """
 from ._version import __version__

@@ -1,8 +1,10 @@
 """What this installation of mha_cy is: build options, threads, BLAS, SIMD."""
 
+import os
 import platform
 import sys
 
+from ._blas_kernel import blas_warning
 from ._cpu_features import build_flags, compiler_version, native_build, simd_level
 from ._openmp_helpers import openmp_enabled, openmp_max_threads
 from ._threads import _scipy_blas_info, get_num_threads
@@ -38,8 +40,10 @@ def build_info():
       blas           scipy's BLAS, the one the kernels call (dict with internal_api,
                      version, filepath, threading_layer, num_threads[, architecture]),
                      or "unknown" when threadpoolctl cannot find it
+      blas_warning   None, or why scipy's BLAS runs kernels below the CPU's SIMD level
+                     (e.g. OPENBLAS_CORETYPE=Haswell on an AVX-512 CPU) and the remedy (str)
       simd           SIMD level the run-time dispatch picks on this CPU (str:
-                     "avx512f", "avx2", "sse2" or "generic")
+                     "avx512", "avx2", "sse2", "generic"; "native" in native builds)
       native_build   built with MHA_CY_NATIVE=1 / -march=native (bool)
       python, numpy, scipy   versions (str)
       compiler       {"version": ..., "flags": extra C flags of the build} (dict)
@@ -48,13 +52,16 @@ def build_info():
     import numpy  # noqa: PLC0415
     import scipy  # noqa: PLC0415
 
+    blas, simd = _blas_info(), simd_level()
+    core = blas.get("architecture") if isinstance(blas, dict) else None
     return {
         "version": __version__,
         "openmp": openmp_enabled(),
         "num_threads": get_num_threads(),
         "max_threads": openmp_max_threads(),
-        "blas": _blas_info(),
-        "simd": simd_level(),
+        "blas": blas,
+        "blas_warning": blas_warning(core, simd, os.environ),
+        "simd": simd,
         "native_build": native_build(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,
@@ -72,9 +79,10 @@ def format_build_info(info=None):
     native = ", native build (-march=native)" if info["native_build"] else ""
     blas = info["blas"]
     if isinstance(blas, dict):
+        kernels = f"{blas['architecture']} kernels, " if blas.get("architecture") else ""
         blas_line = (
             f"{blas.get('internal_api')} {blas.get('version')} "
-            f"({blas.get('threading_layer')}, {blas.get('num_threads')} threads) "
+            f"({kernels}{blas.get('threading_layer')}, {blas.get('num_threads')} threads) "
             f"at {blas.get('filepath')}"
         )
     else:
@@ -86,6 +94,7 @@ def format_build_info(info=None):
         f"OpenMP max {info['max_threads']}",
         f"  SIMD:     {info['simd']}{native}",
         f"  BLAS:     {blas_line}",
+        *([f"  WARNING:  {info['blas_warning']}"] if info.get("blas_warning") else []),
         f"  compiler: {compiler.get('version', 'unknown')}  {compiler.get('flags', '')}".rstrip(),
         f"  python {info['python']}, numpy {info['numpy']}, scipy {info['scipy']}, "
         f"{info.get('platform', sys.platform)}",

@@ -1,12 +1,15 @@
 """build_info() / format_build_info() report the real build."""
 
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import scipy
 
+import mha_cy
+from mha_cy._blas_kernel import SIMD_RANK, blas_warning, kernel_simd_level
 from mha_cy._build_info import build_info, format_build_info
 from mha_cy._cpu_features import simd_level
 from mha_cy._openmp_helpers import openmp_enabled
@@ -24,6 +27,7 @@ KEYS = {
     "num_threads": int,
     "max_threads": int,
     "blas": (dict, str),
+    "blas_warning": (str, type(None)),
     "simd": str,
     "native_build": bool,
     "python": str,
@@ -126,3 +130,68 @@ def test_format_build_info(info):
     assert info["simd"] in text
     assert ("NO (serial" in text) is (not info["openmp"])
     assert format_build_info().splitlines()[0] == text.splitlines()[0]
+
+
+# --- scipy's BLAS kernels below the CPU's SIMD level ------------------------------------------
+
+
+@pytest.mark.parametrize("core,level", [
+    ("SkylakeX", "avx512"), ("SapphireRapids", "avx512"), ("Haswell", "avx2"), ("Zen", "avx2"),
+    ("zen", "avx2"), ("Sandybridge", "avx"), ("Nehalem", "sse2"), ("Prescott", "sse2"),
+    ("NoSuchCore", None), ("", None), (None, None),
+])
+def test_kernel_simd_level(core, level):
+    assert kernel_simd_level(core) == level
+
+
+@pytest.mark.parametrize("core,cpu,warns", [
+    ("Haswell", "avx512", True),
+    ("Sandybridge", "avx512", True),
+    ("Sandybridge", "avx2", True),
+    ("Haswell", "avx2", False),
+    ("Zen", "avx2", False),
+    ("SkylakeX", "avx512", False),
+    ("SkylakeX", "avx2", False),       # a kernel above the dispatch level is not ours to judge
+    ("Haswell", "native", False),      # native builds have no comparable level
+    ("NoSuchCore", "avx512", False),   # unknown cores: no guess
+])
+def test_blas_warning_decision(core, cpu, warns):
+    assert (blas_warning(core, cpu, {}) is not None) is warns
+
+
+def test_blas_warning_names_reason_and_remedy():
+    forced = blas_warning("Haswell", "avx512", {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576"})
+    assert "OPENBLAS_CORETYPE=Haswell" in forced and "forces" in forced
+    assert "unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE" in forced
+    assert "Haswell" in forced and "avx2" in forced and "avx512" in forced
+    chosen = blas_warning("Haswell", "avx512", {})
+    assert "OpenBLAS chose them itself" in chosen and "unset" not in chosen
+
+
+def test_blas_warning_matches_this_process(info):
+    core = info["blas"].get("architecture") if isinstance(info["blas"], dict) else None
+    assert info["blas_warning"] == blas_warning(core, info["simd"], os.environ)
+
+
+def test_format_build_info_prints_the_warning(info):
+    assert "WARNING" not in format_build_info(dict(info, blas_warning=None))
+    text = format_build_info(dict(info, blas_warning="scipy's OpenBLAS runs Haswell kernels"))
+    assert "WARNING:  scipy's OpenBLAS runs Haswell kernels" in text
+
+
+@pytest.mark.parametrize("core", ["Haswell", "Sandybridge"])
+def test_forced_coretype_warns_in_python_m_mha_cy(core):
+    """A real process with OPENBLAS_CORETYPE forced: the warning appears exactly when the core
+    is below this CPU's level (Haswell warns on AVX-512 CPUs only, Sandybridge on AVX2 too)."""
+    cpu = simd_level()
+    if cpu not in ("avx2", "avx512"):
+        pytest.skip(f"forcing {core} kernels needs an AVX2 CPU (simd_level {cpu!r})")
+    env = dict(os.environ, OPENBLAS_CORETYPE=core)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mha_cy.__file__)))  # import this mha_cy
+    out = subprocess.run([sys.executable, "-m", "mha_cy", "--seq-len", "8", "--embed-dim", "32",
+                          "--heads", "2", "--repeats", "1"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = SIMD_RANK[kernel_simd_level(core)] < SIMD_RANK[cpu]
+    assert (f"OPENBLAS_CORETYPE={core} in the environment forces them" in out.stdout) is expected, out.stdout
+    assert f"{core} kernels" in out.stdout  # the BLAS line names the kernels that ran
