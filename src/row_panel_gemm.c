@@ -15,123 +15,37 @@
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
-/* A vector type and its unaligned, aliasing twin for loads from the packed panels. */
+/* A vector type of BYTES bytes and its unaligned, aliasing twin for loads from the panels. */
 #define MHA_VECTOR_TYPES(REAL, BYTES, NAME)                                                 \
     typedef REAL NAME __attribute__((vector_size(BYTES)));                                  \
     typedef REAL NAME##_u __attribute__((vector_size(BYTES), aligned(sizeof(REAL)), may_alias))
 
-MHA_VECTOR_TYPES(float, 16, mha_f32x4);
-MHA_VECTOR_TYPES(double, 16, mha_f64x2);
+MHA_VECTOR_TYPES(float, 16, mha_f32_v16);
+MHA_VECTOR_TYPES(float, 32, mha_f32_v32);
+MHA_VECTOR_TYPES(float, 64, mha_f32_v64);
+MHA_VECTOR_TYPES(double, 16, mha_f64_v16);
+MHA_VECTOR_TYPES(double, 32, mha_f64_v32);
+MHA_VECTOR_TYPES(double, 64, mha_f64_v64);
 
-/* ---- float ---- */
 #define REAL float
 #define SUFFIX f32
 #define PR MHA_PANEL_ROWS_F32
-
-ptrdiff_t mha_row_panels_size_f32(ptrdiff_t m, ptrdiff_t k) { return (m + PR - 1) / PR * PR * k; }
-
-#define ISA _base
-#define ISA_TARGET
-#define VEC mha_f32x4
-#define VEC_U mha_f32x4_u
-#define NV (PR / 4)
-#define NB_MAX 2          /* 8 of the 16 SSE registers */
-#include "row_panel_gemm_impl.h"
-#undef ISA
-#undef ISA_TARGET
-#undef VEC
-#undef VEC_U
-#undef NV
-#undef NB_MAX
-
-#ifdef MHA_PANEL_DISPATCH
-MHA_VECTOR_TYPES(float, 32, mha_f32x8);
-MHA_VECTOR_TYPES(float, 64, mha_f32x16);
-#define ISA _avx2
-#define ISA_TARGET TARGET_AVX2
-#define VEC mha_f32x8
-#define VEC_U mha_f32x8_u
-#define NV (PR / 8)
-#define NB_MAX 6          /* 12 of the 16 AVX2 registers */
-#include "row_panel_gemm_impl.h"
-#undef ISA
-#undef ISA_TARGET
-#undef VEC
-#undef VEC_U
-#undef NV
-#undef NB_MAX
-#define ISA _avx512
-#define ISA_TARGET TARGET_AVX512
-#define VEC mha_f32x16
-#define VEC_U mha_f32x16_u
-#define NV (PR / 16)
-#define NB_MAX 8          /* 8 FMA chains: 2 FMA units x 4 cycles latency */
-#include "row_panel_gemm_impl.h"
-#undef ISA
-#undef ISA_TARGET
-#undef VEC
-#undef VEC_U
-#undef NV
-#undef NB_MAX
-#endif
+#define VTYPE(bytes) mha_f32_v##bytes
+#include "row_panel_gemm_isas.h"
 #undef REAL
 #undef SUFFIX
 #undef PR
+#undef VTYPE
 
-/* ---- double ---- */
 #define REAL double
 #define SUFFIX f64
 #define PR MHA_PANEL_ROWS_F64
-
-ptrdiff_t mha_row_panels_size_f64(ptrdiff_t m, ptrdiff_t k) { return (m + PR - 1) / PR * PR * k; }
-
-#define ISA _base
-#define ISA_TARGET
-#define VEC mha_f64x2
-#define VEC_U mha_f64x2_u
-#define NV (PR / 2)
-#define NB_MAX 2
-#include "row_panel_gemm_impl.h"
-#undef ISA
-#undef ISA_TARGET
-#undef VEC
-#undef VEC_U
-#undef NV
-#undef NB_MAX
-
-#ifdef MHA_PANEL_DISPATCH
-MHA_VECTOR_TYPES(double, 32, mha_f64x4);
-MHA_VECTOR_TYPES(double, 64, mha_f64x8);
-#define ISA _avx2
-#define ISA_TARGET TARGET_AVX2
-#define VEC mha_f64x4
-#define VEC_U mha_f64x4_u
-#define NV (PR / 4)
-#define NB_MAX 6
-#include "row_panel_gemm_impl.h"
-#undef ISA
-#undef ISA_TARGET
-#undef VEC
-#undef VEC_U
-#undef NV
-#undef NB_MAX
-#define ISA _avx512
-#define ISA_TARGET TARGET_AVX512
-#define VEC mha_f64x8
-#define VEC_U mha_f64x8_u
-#define NV (PR / 8)
-#define NB_MAX 8
-#include "row_panel_gemm_impl.h"
-#undef ISA
-#undef ISA_TARGET
-#undef VEC
-#undef VEC_U
-#undef NV
-#undef NB_MAX
-#endif
+#define VTYPE(bytes) mha_f64_v##bytes
+#include "row_panel_gemm_isas.h"
 #undef REAL
 #undef SUFFIX
 #undef PR
+#undef VTYPE
 
 /* ---- packing and dispatch, per type ---- */
 #define DEFINE_PACK_AND_DISPATCH(REAL, SUFFIX, PR)                                            \

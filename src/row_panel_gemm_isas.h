@@ -1,0 +1,60 @@
+/* The micro-kernels of row_panel_gemm.c for one floating type, one per instruction set:
+ * included once per type. Defines needed: REAL, SUFFIX, PR (rows per panel) and
+ * VTYPE(bytes), the name of the vector type of REALs of that many bytes (VTYPE(bytes)_u: its
+ * unaligned twin). NB_MAX: weight rows per register block, so that NB_MAX x NV accumulators
+ * leave room for the loads in the ISA's registers. */
+
+#define MHA_CAT3_(a, b, c) a##b##c
+#define MHA_CAT3(a, b, c) MHA_CAT3_(a, b, c)
+
+ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
+{
+    return (m + PR - 1) / PR * PR * k;
+}
+
+#define ISA _base
+#define ISA_TARGET
+#define VEC VTYPE(16)
+#define VEC_U MHA_CAT3(VTYPE(16), _u, )
+#define NV (PR * (int)sizeof(REAL) / 16)
+#define NB_MAX 2          /* 8 of the 16 SSE registers */
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+
+#ifdef MHA_PANEL_DISPATCH
+#define ISA _avx2
+#define ISA_TARGET TARGET_AVX2
+#define VEC VTYPE(32)
+#define VEC_U MHA_CAT3(VTYPE(32), _u, )
+#define NV (PR * (int)sizeof(REAL) / 32)
+#define NB_MAX 6          /* 12 of the 16 AVX2 registers */
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+
+#define ISA _avx512
+#define ISA_TARGET TARGET_AVX512
+#define VEC VTYPE(64)
+#define VEC_U MHA_CAT3(VTYPE(64), _u, )
+#define NV (PR * (int)sizeof(REAL) / 64)
+#define NB_MAX 8          /* 8 FMA chains: 2 FMA units x 4 cycles of latency */
+#include "row_panel_gemm_impl.h"
+#undef ISA
+#undef ISA_TARGET
+#undef VEC
+#undef VEC_U
+#undef NV
+#undef NB_MAX
+#endif
+
+#undef MHA_CAT3
+#undef MHA_CAT3_
