@@ -1,0 +1,57 @@
+/* Fused attention tile kernel: one task's online-softmax attention without BLAS.
+ *
+ * The BLAS path (mha_cy/_attention_kernel.pyx) computes a 256 x 256 score tile with one sgemm,
+ * writes it to memory, softmaxes it row by row and multiplies it into V with a second sgemm.
+ * For short sequences the calls' fixed cost (packing, dispatch) and the round trips of S
+ * through L2 dominate, and the speed depends on the OpenBLAS kernel picked at run time. Here a
+ * tile of MHA_FUSED_TILE_KEYS keys is packed transposed (D x keys) once and reused by every
+ * row of the task; blocks of 4 query rows get their scores from FMAs over the packed tile
+ * (vectorized over keys), the masks and the online softmax of attention_tile.c (the same
+ * function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
+ * broadcast against the contiguous rows of V; a block's scores live in a 4 x keys L1 buffer.
+ *
+ * Crossover (measured on AMD EPYC Zen 1, AVX2, 1 thread, float32; in _attention_kernel.pyx,
+ * FUSED_MAX_D and _use_fused): see the numbers there.
+ */
+#ifndef MHA_ATTENTION_MICROKERNEL_H
+#define MHA_ATTENTION_MICROKERNEL_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Scratch (in elements) that mha_fused_attend_* needs for head dimension d. */
+ptrdiff_t mha_fused_scratch_f32(int d);
+ptrdiff_t mha_fused_scratch_f64(int d);
+
+/* Online-softmax attention of `rows` query rows to the keys [k_begin, k_end).
+ * q          row r at q + r * q_rs, d values
+ * k, v       key j at k + j * k_rs (d values), its value at v + j * v_rs (dv values)
+ * add        additive mask, key j of row r at add[r * add_rs + j * add_ks]; or NULL
+ * pad        key padding flags, pad[j] nonzero = ignore key j; or NULL
+ * limit      row r sees only keys j < limit + r * limit_step (the causal limit; a limit
+ *            >= k_end and step 0 when not causal)
+ * m, l, acc  running max, sum and output accumulator (rows x dv, row stride dv) of each row,
+ *            as in mha_online_softmax_row_*: start at -inf, 0, 0; finish with acc / l
+ * work       mha_fused_scratch_*(d) elements
+ * The order of every sum depends only on the shapes (deterministic for any thread count). */
+void mha_fused_attend_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
+                          const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs, int dv,
+                          ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
+                          const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                          const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                          float *m, float *l, float *acc, float *work);
+void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
+                          const double *k, ptrdiff_t k_rs, const double *v, ptrdiff_t v_rs,
+                          int dv, ptrdiff_t k_begin, ptrdiff_t k_end, double scale,
+                          const double *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                          const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                          double *m, double *l, double *acc, double *work);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
