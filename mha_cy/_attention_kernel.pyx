@@ -46,6 +46,7 @@ cdef extern from "attention_tile.h" nogil:
     void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
 
 cdef extern from "attention_microkernel.h" nogil:
+    int MHA_FUSED_MAX_HEAD_DIM
     Py_ssize_t mha_fused_scratch_f32(int d)
     Py_ssize_t mha_fused_scratch_f64(int d)
     void mha_fused_attend_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
@@ -343,12 +344,14 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
           <int> w_rs, v0 + kb * p.vl, <int> p.vl, <floating> 0, o0, <int> o_rs)
 
 
-cdef inline bint _use_fused(const Problem *p, Py_ssize_t rows) noexcept nogil:
+cdef inline bint _use_fused(const Problem *p) noexcept nogil:
     """Whether the online path runs the fused tile kernel (see src/attention_microkernel.h):
     a rule of the shapes only, so the result does not depend on the thread count."""
     if TILE_KERNEL != TILE_AUTO:
         return TILE_KERNEL == TILE_FUSED
-    return True
+    # measured (the table in attention_microkernel.h): faster for every row count and length
+    # up to head dims of 256, slower above
+    return max(p.d, p.dv) <= MHA_FUSED_MAX_HEAD_DIM
 
 
 cdef inline Py_ssize_t _elem(Py_ssize_t stride_bytes, Py_ssize_t itemsize) noexcept:
@@ -464,7 +467,7 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
         if parts == NULL:
             raise MemoryError("attention: could not allocate the split-K partial results")
 
-    cdef bint fused = _use_fused(&p, max_rows)
+    cdef bint fused = _use_fused(&p)
     # the score tile, or the fused kernel's packed keys and scores, before the accumulators
     cdef Py_ssize_t tile_size = max(max_rows * bk, _fused_scratch(&p, fused, scale))
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost

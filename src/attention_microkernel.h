@@ -10,8 +10,23 @@
  * function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
  * broadcast against the contiguous rows of V; a block's scores live in a 4 x keys L1 buffer.
  *
- * Crossover (measured on AMD EPYC Zen 1, AVX2, 1 thread, float32; in _attention_kernel.pyx,
- * FUSED_MAX_D and _use_fused): see the numbers there.
+ * Crossover (the rule: _use_fused in _attention_kernel.pyx, fused up to head dims of
+ * MHA_FUSED_MAX_HEAD_DIM). Measured on AMD EPYC (Zen 1, AVX2 clone, OpenBLAS 0.3.30 Haswell
+ * kernel), 1 thread, float32, SDPA time in ms, fused / BLAS; the BLAS path here ran with the
+ * same vectorized softmax as the fused one, so the numbers compare the products only:
+ *   self-attention (1, H, L, D)      D=16        D=64         D=128        D=256
+ *     H=64 L=64                   1.5 / 2.9   4.4 / 8.9   11.8 / 11.0   21.5 / 30.2
+ *     H=16 L=256                  9.3 / 11.2  21.4 / 33.3  37.4 / 66.3   70.3 / 175
+ *     H=2  L=1024                14.2 / 21.9  47.7 / 82.0  69.4 / 128    135 / 348
+ *   decode, Lk = 2048, (4, 32, 1, D), KV heads 8 (4 rows a task) / 1 (32 rows):
+ *     4 rows                                  10.9 / 14.8  24.7 / 34.6   55.2 / 62.9
+ *     32 rows                                  4.5 / 9.4   11.2 / 16.3   22.9 / 41.2
+ *   beyond D = 256 BLAS wins: (1, 4, 256, D) D=384 28.6 / 22.4, D=512 36.5 / 29.1; decode
+ *     4 rows D=384 8.1 / 8.2, D=512 9.3 / 7.4 (the packed tile, D x 256 bytes, leaves L1).
+ * The number of rows did not move the crossover (256-row tasks gain the most); the one loss
+ * below D = 256 (L = 64, D = 128: 7%, reproduced) is not worth a rule of its own. With the BLAS
+ * path's own softmax, whose exp stays scalar on AVX2 (see attention_microkernel.c), the fused
+ * kernel is 1.5-2.8x faster at every D <= 256 measured. Not measured: AVX-512 machines.
  */
 #ifndef MHA_ATTENTION_MICROKERNEL_H
 #define MHA_ATTENTION_MICROKERNEL_H
@@ -21,6 +36,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Head dims (D and Dv) up to which the fused kernel beats BLAS (above: see the crossover). */
+#define MHA_FUSED_MAX_HEAD_DIM 256
 
 /* Scratch (in elements) that mha_fused_attend_* needs for head dimension d. */
 ptrdiff_t mha_fused_scratch_f32(int d);
