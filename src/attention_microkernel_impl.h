@@ -38,8 +38,24 @@ static inline void FN(pack_keys_)(const REAL *k, ptrdiff_t k_rs, int d, int nk, 
             kt[p * NK + u] = 0;
 }
 
-/* s[i * NK + c] = scale * q_i . k_c for i < M, c < nkp: VL keys at a time, M x VL sums in
- * registers, one pass over p. */
+/* a0[i], a1[i] += sum_t x[i * x_rs + t] * b[t * b_rs + (0 .. 2W)] for i < M, t < n: the
+ * register block of both products (scores: x = Q, b = the packed keys; P V: x = P, b = V),
+ * one vector load of b per t serving M rows. */
+static inline __attribute__((always_inline)) void
+FN(outer_block_)(const int M, const REAL *x, ptrdiff_t x_rs, const REAL *b, ptrdiff_t b_rs,
+                 ptrdiff_t n, VEC *a0, VEC *a1)
+{
+    for (ptrdiff_t t = 0; t < n; t++) {
+        VEC b0 = *(const VEC *)(b + t * b_rs), b1 = *(const VEC *)(b + t * b_rs + W);
+        for (int i = 0; i < M; i++) {
+            REAL xi = x[i * x_rs + t];
+            a0[i] += xi * b0;
+            a1[i] += xi * b1;
+        }
+    }
+}
+
+/* s[i * NK + c] = scale * q_i . k_c for i < M, c < nkp, VL keys at a time. */
 static inline __attribute__((always_inline)) void
 FN(scores_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, int nkp,
                   REAL scale, REAL *s)
@@ -48,14 +64,7 @@ FN(scores_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
         VEC a0[RB], a1[RB];
         for (int i = 0; i < M; i++)
             a0[i] = a1[i] = (VEC){0};
-        for (ptrdiff_t p = 0; p < d; p++) {
-            VEC k0 = *(const VEC *)(kt + p * NK + c), k1 = *(const VEC *)(kt + p * NK + c + W);
-            for (int i = 0; i < M; i++) {
-                REAL qi = q[i * q_rs + p];
-                a0[i] += qi * k0;
-                a1[i] += qi * k1;
-            }
-        }
+        FN(outer_block_)(M, q, q_rs, kt + c, NK, d, a0, a1);
         for (int i = 0; i < M; i++) {
             *(VEC *)(s + i * NK + c) = scale * a0[i];
             *(VEC *)(s + i * NK + c + W) = scale * a1[i];
@@ -63,8 +72,7 @@ FN(scores_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
     }
 }
 
-/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e0 + VL):
- * M vectors of sums in registers over the nk keys. */
+/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e0 + VL). */
 static inline __attribute__((always_inline)) void
 FN(pv_cols_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
              int dv, ptrdiff_t e0)
@@ -74,14 +82,7 @@ FN(pv_cols_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, 
         a0[i] = *(VEC *)(acc + i * dv + e0);
         a1[i] = *(VEC *)(acc + i * dv + e0 + W);
     }
-    for (ptrdiff_t j = 0; j < nk; j++) {
-        VEC v0 = *(const VEC *)(v + j * v_rs + e0), v1 = *(const VEC *)(v + j * v_rs + e0 + W);
-        for (int i = 0; i < M; i++) {
-            REAL pij = s[i * NK + j];
-            a0[i] += pij * v0;
-            a1[i] += pij * v1;
-        }
-    }
+    FN(outer_block_)(M, s, NK, v + e0, v_rs, nk, a0, a1);
     for (int i = 0; i < M; i++) {
         *(VEC *)(acc + i * dv + e0) = a0[i];
         *(VEC *)(acc + i * dv + e0 + W) = a1[i];
@@ -98,7 +99,7 @@ static inline void FN(pv_tail_)(int M, const REAL *s, int nk, const REAL *v, ptr
                 acc[i * dv + e] += s[i * NK + j] * v[j * v_rs + e];
 }
 
-/* One block of M rows (first row r0) against the packed tile of keys [j0, j0 + nk). */
+/* One block of M rows against the packed tile of keys [j0, j0 + nk). */
 static inline __attribute__((always_inline)) void
 FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, int nk, int nkp,
            const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0, REAL scale,
