@@ -12,6 +12,8 @@ Work is cut into tasks, shared dynamically by the threads (causal tasks differ i
 A task walks K/V in tiles of BLOCK_K keys: S = scale * Q K^T (BLAS), then per row the masks and
 the online softmax (src/attention_tile.c), then acc += P V (BLAS). Only one S tile per thread
 exists at a time: extra memory is O(threads * BLOCK_Q * BLOCK_K), not O(Lq * Lk).
+Where it is faster (_use_fused), the fused tile kernel of src/attention_microkernel.c does the
+same work without BLAS: scores, masks, softmax and P V per small tile in registers and L1.
 With fewer than MIN_PARALLEL_TASKS tasks (one sequence decoding with one K/V head, say), each
 task's keys are split into parts that run in parallel, and their partial softmax states are
 merged afterwards (split-K), so that every core streams a share of the cache.
@@ -43,6 +45,24 @@ cdef extern from "attention_tile.h" nogil:
     void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
     void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
 
+cdef extern from "attention_microkernel.h" nogil:
+    int MHA_FUSED_MAX_HEAD_DIM
+    Py_ssize_t mha_fused_scratch_f32(int d)
+    Py_ssize_t mha_fused_scratch_f64(int d)
+    void mha_fused_attend_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                              const float *k, Py_ssize_t k_rs, const float *v, Py_ssize_t v_rs,
+                              int dv, Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
+                              const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
+                              const unsigned char *pad, Py_ssize_t limit, Py_ssize_t limit_step,
+                              float *m, float *l, float *acc, float *work)
+    void mha_fused_attend_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
+                              const double *k, Py_ssize_t k_rs, const double *v,
+                              Py_ssize_t v_rs, int dv, Py_ssize_t k_begin, Py_ssize_t k_end,
+                              double scale, const double *add, Py_ssize_t add_rs,
+                              Py_ssize_t add_ks, const unsigned char *pad, Py_ssize_t limit,
+                              Py_ssize_t limit_step, double *m, double *l, double *acc,
+                              double *work)
+
 # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
 cdef double MIN_FLOPS_PER_THREAD = 1e6
 # With fewer tasks than this (a decode step of one sequence with one K/V head, say), the keys
@@ -54,6 +74,13 @@ cdef Py_ssize_t MIN_PARALLEL_TASKS = 8
 # by _set_tile_sizes, for tuning and for the tests that results do not depend on them.
 cdef Py_ssize_t BLOCK_Q = 256
 cdef Py_ssize_t BLOCK_K = 256
+
+# Which tile kernel the online path runs: the rule of _use_fused, or one forced by
+# _set_tile_kernel (for the tests and for measuring the crossover).
+cdef enum TileKernel:
+    TILE_AUTO, TILE_FUSED, TILE_BLAS
+cdef TileKernel TILE_KERNEL = TILE_AUTO
+_TILE_KERNEL_NAMES = {"auto": TILE_AUTO, "fused": TILE_FUSED, "blas": TILE_BLAS}
 
 
 cdef struct Problem:
@@ -163,15 +190,46 @@ cdef inline void _row_finish(const floating *acc, floating l, floating *out,
         mha_finish_row_f64(acc, l, out, <int> dv)
 
 
+cdef inline Py_ssize_t _fused_scratch(const Problem *p, bint fused, floating dummy) noexcept nogil:
+    """Elements of the fused kernel's scratch (0 when it does not run)."""
+    if not fused:
+        return 0
+    if floating is float:
+        return mha_fused_scratch_f32(<int> p.d)
+    else:
+        return mha_fused_scratch_f64(<int> p.d)
+
+
+cdef inline void _fused_attend(const Problem *p, const Task *task, floating scale,
+                               const floating *q0, const floating *k0, const floating *v0,
+                               const floating *m0, const unsigned char *pad_row,
+                               Py_ssize_t k_begin, Py_ssize_t k_end, floating *acc,
+                               floating *row_max, floating *row_sum,
+                               floating *work) noexcept nogil:
+    """The keys [k_begin, k_end) of the task's rows with the fused tile kernel."""
+    # the causal limit of _n_valid: row r sees keys j < limit + r * step
+    cdef Py_ssize_t limit = k_end, step = 0
+    if p.causal:
+        limit, step = task.i0 + p.causal_offset + 1, task.di
+    if floating is float:
+        mha_fused_attend_f32(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl, v0, p.vl,
+                             <int> p.dv, k_begin, k_end, scale, m0, task.m_rs, p.mk, pad_row,
+                             limit, step, row_max, row_sum, acc, work)
+    else:
+        mha_fused_attend_f64(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl, v0, p.vl,
+                             <int> p.dv, k_begin, k_end, scale, m0, task.m_rs, p.mk, pad_row,
+                             limit, step, row_max, row_sum, acc, work)
+
+
 cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, floating scale,
                        const floating *q, const floating *k, const floating *v, floating *out,
                        const floating *mask, const unsigned char *pad,
                        floating *scores, floating *acc, floating *row_max,
-                       floating *row_sum, bint finish) noexcept nogil:
+                       floating *row_sum, bint finish, bint fused) noexcept nogil:
     """Part t % n_parts of the keys of task t // n_parts, flash style: tiles of block_k keys,
-    online softmax, O(tile) memory. scores: rows x block_k; acc: rows x dv; row_max, row_sum:
-    rows. finish: write the normalized rows to out; else leave acc, row_max and row_sum for
-    _merge_parts."""
+    online softmax, O(tile) memory. scores: rows x block_k (BLAS) or the fused kernel's
+    scratch; acc: rows x dv; row_max, row_sum: rows. finish: write the normalized rows to out;
+    else leave acc, row_max and row_sum for _merge_parts. fused: use the fused tile kernel."""
     cdef Task task
     _task(p, t // n_parts, &task)
     cdef Py_ssize_t r, j0, nk, part_len
@@ -192,7 +250,12 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
     for r in range(task.rows):
         row_max[r] = -INFINITY
         row_sum[r] = 0
-    j0 = k_begin
+    if fused:
+        _fused_attend(p, &task, scale, q0, k0, v0, m0, pad_row, k_begin, k_end, acc, row_max,
+                      row_sum, scores)
+        j0 = k_end               # (no BLAS tiles)
+    else:
+        j0 = k_begin
     while j0 < k_end:
         nk = min(p.block_k, k_end - j0)
         _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> task.q_rs,
@@ -279,6 +342,16 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
                      NULL if pad_row == NULL else pad_row + kb, _n_valid(p, &task, r, kb, n))
     _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> n, <floating> 1, w0,
           <int> w_rs, v0 + kb * p.vl, <int> p.vl, <floating> 0, o0, <int> o_rs)
+
+
+cdef inline bint _use_fused(const Problem *p) noexcept nogil:
+    """Whether the online path runs the fused tile kernel (see src/attention_microkernel.h):
+    a rule of the shapes only, so the result does not depend on the thread count."""
+    if TILE_KERNEL != TILE_AUTO:
+        return TILE_KERNEL == TILE_FUSED
+    # measured (the table in attention_microkernel.h): faster for every row count and length
+    # up to head dims of 256, slower above
+    return max(p.d, p.dv) <= MHA_FUSED_MAX_HEAD_DIM
 
 
 cdef inline Py_ssize_t _elem(Py_ssize_t stride_bytes, Py_ssize_t itemsize) noexcept:
@@ -394,19 +467,22 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
         if parts == NULL:
             raise MemoryError("attention: could not allocate the split-K partial results")
 
+    cdef bint fused = _use_fused(&p)
+    # the score tile, or the fused kernel's packed keys and scores, before the accumulators
+    cdef Py_ssize_t tile_size = max(max_rows * bk, _fused_scratch(&p, fused, scale))
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
     with nogil, parallel(num_threads=team):
         # per-thread scratch: one score tile, the accumulators, running max and sum
-        scratch = <floating *> malloc((max_rows * (bk + p.dv + 2)) * sizeof(floating))
+        scratch = <floating *> malloc((tile_size + max_rows * (p.dv + 2)) * sizeof(floating))
         if scratch == NULL:
             failed_ptr[0] = 1
         # every thread must reach the worksharing loop, even one without scratch
         for t in prange(n_tasks * n_parts, schedule='dynamic'):
             if scratch != NULL:
-                acc = scratch + max_rows * bk if n_parts == 1 else parts + t * part_size
+                acc = scratch + tile_size if n_parts == 1 else parts + t * part_size
                 _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
                              pad_ptr, scratch, acc, acc + max_rows * p.dv,
-                             acc + max_rows * (p.dv + 1), n_parts == 1)
+                             acc + max_rows * (p.dv + 1), n_parts == 1, fused)
         free(scratch)
     if n_parts > 1:
         if not failed:
@@ -428,3 +504,14 @@ def _set_tile_sizes(block_q, block_k):
     BLOCK_Q, BLOCK_K = block_q, block_k
     return previous
 
+
+
+def _set_tile_kernel(name):
+    """Force the online path's tile kernel: "fused", "blas" or "auto" (the measured rule of
+    _use_fused); return the previous setting."""
+    global TILE_KERNEL
+    if name not in _TILE_KERNEL_NAMES:
+        raise ValueError(f"tile kernel must be one of {sorted(_TILE_KERNEL_NAMES)}; got {name!r}")
+    previous = next(n for n, k in _TILE_KERNEL_NAMES.items() if k == TILE_KERNEL)
+    TILE_KERNEL = _TILE_KERNEL_NAMES[name]
+    return previous

@@ -1,0 +1,75 @@
+/* Fused attention tile kernel: one task's online-softmax attention without BLAS.
+ *
+ * The BLAS path (mha_cy/_attention_kernel.pyx) computes a 256 x 256 score tile with one sgemm,
+ * writes it to memory, softmaxes it row by row and multiplies it into V with a second sgemm.
+ * For short sequences the calls' fixed cost (packing, dispatch) and the round trips of S
+ * through L2 dominate, and the speed depends on the OpenBLAS kernel picked at run time. Here a
+ * tile of MHA_FUSED_TILE_KEYS keys is packed transposed (D x keys) once and reused by every
+ * row of the task; blocks of 4 query rows get their scores from FMAs over the packed tile
+ * (vectorized over keys), the masks and the online softmax of attention_tile.c (the same
+ * function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
+ * broadcast against the contiguous rows of V; a block's scores live in a 4 x keys L1 buffer.
+ *
+ * Crossover (the rule: _use_fused in _attention_kernel.pyx, fused up to head dims of
+ * MHA_FUSED_MAX_HEAD_DIM). Measured on AMD EPYC (Zen 1, AVX2 clone, OpenBLAS 0.3.30 Haswell
+ * kernel), 1 thread, float32, SDPA time in ms, fused / BLAS; the BLAS path here ran with the
+ * same vectorized softmax as the fused one, so the numbers compare the products only:
+ *   self-attention (1, H, L, D)      D=16        D=64         D=128        D=256
+ *     H=64 L=64                   1.5 / 2.9   4.4 / 8.9   11.8 / 11.0   21.5 / 30.2
+ *     H=16 L=256                  9.3 / 11.2  21.4 / 33.3  37.4 / 66.3   70.3 / 175
+ *     H=2  L=1024                14.2 / 21.9  47.7 / 82.0  69.4 / 128    135 / 348
+ *   decode, Lk = 2048, (4, 32, 1, D), KV heads 8 (4 rows a task) / 1 (32 rows):
+ *     4 rows                                  10.9 / 14.8  24.7 / 34.6   55.2 / 62.9
+ *     32 rows                                  4.5 / 9.4   11.2 / 16.3   22.9 / 41.2
+ *   beyond D = 256 BLAS wins: (1, 4, 256, D) D=384 28.6 / 22.4, D=512 36.5 / 29.1; decode
+ *     4 rows D=384 8.1 / 8.2, D=512 9.3 / 7.4 (the packed tile, D x 256 bytes, leaves L1).
+ * The number of rows did not move the crossover (256-row tasks gain the most); the one loss
+ * below D = 256 (L = 64, D = 128: 7%, reproduced) is not worth a rule of its own. With the BLAS
+ * path's own softmax, whose exp stays scalar on AVX2 (see attention_microkernel.c), the fused
+ * kernel is 1.5-2.8x faster at every D <= 256 measured. Not measured: AVX-512 machines.
+ */
+#ifndef MHA_ATTENTION_MICROKERNEL_H
+#define MHA_ATTENTION_MICROKERNEL_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Head dims (D and Dv) up to which the fused kernel beats BLAS (above: see the crossover). */
+#define MHA_FUSED_MAX_HEAD_DIM 256
+
+/* Scratch (in elements) that mha_fused_attend_* needs for head dimension d. */
+ptrdiff_t mha_fused_scratch_f32(int d);
+ptrdiff_t mha_fused_scratch_f64(int d);
+
+/* Online-softmax attention of `rows` query rows to the keys [k_begin, k_end).
+ * q          row r at q + r * q_rs, d values
+ * k, v       key j at k + j * k_rs (d values), its value at v + j * v_rs (dv values)
+ * add        additive mask, key j of row r at add[r * add_rs + j * add_ks]; or NULL
+ * pad        key padding flags, pad[j] nonzero = ignore key j; or NULL
+ * limit      row r sees only keys j < limit + r * limit_step (the causal limit; a limit
+ *            >= k_end and step 0 when not causal)
+ * m, l, acc  running max, sum and output accumulator (rows x dv, row stride dv) of each row,
+ *            as in mha_online_softmax_row_*: start at -inf, 0, 0; finish with acc / l
+ * work       mha_fused_scratch_*(d) elements
+ * The order of every sum depends only on the shapes (deterministic for any thread count). */
+void mha_fused_attend_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
+                          const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs, int dv,
+                          ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
+                          const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                          const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                          float *m, float *l, float *acc, float *work);
+void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
+                          const double *k, ptrdiff_t k_rs, const double *v, ptrdiff_t v_rs,
+                          int dv, ptrdiff_t k_begin, ptrdiff_t k_end, double scale,
+                          const double *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                          const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                          double *m, double *l, double *acc, double *work);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,203 @@
+"""The fused attention tile kernel (src/attention_microkernel.c) on its own: forced on with
+_set_tile_kernel("fused"), against mha_cy.reference, for the shapes its register blocks and
+tiles cut unevenly (4 query rows x 16 or 8 keys per block, 64 or 32 keys per tile, dv in
+vectors of 8 or 4 lanes plus a tail), every mask, the decode and split-K tasks, NaN, and any
+thread count."""
+import numpy as np
+import pytest
+
+import mha_cy
+from mha_cy import _attention_kernel, reference
+
+from conftest import DTYPES, assert_close, make_pair
+
+HEAD_DIMS = [1, 7, 16, 64, 100, 128, 256]
+
+
+@pytest.fixture(params=["fused", "blas"])
+def tile_kernel(request):
+    """Each test once per tile kernel: the BLAS path is the one the fused kernel replaces."""
+    previous = _attention_kernel._set_tile_kernel(request.param)
+    yield request.param
+    _attention_kernel._set_tile_kernel(previous)
+
+
+@pytest.fixture
+def fused():
+    previous = _attention_kernel._set_tile_kernel("fused")
+    yield
+    _attention_kernel._set_tile_kernel(previous)
+
+
+def sdpa_pair(q, k, v, **kwargs):
+    return (mha_cy.scaled_dot_product_attention(q, k, v, **kwargs),
+            reference.scaled_dot_product_attention(q, k, v, **kwargs))
+
+
+def normal(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def test_set_tile_kernel_returns_the_previous_setting():
+    assert _attention_kernel._set_tile_kernel("fused") == "auto"
+    assert _attention_kernel._set_tile_kernel("blas") == "fused"
+    assert _attention_kernel._set_tile_kernel("auto") == "blas"
+    with pytest.raises(ValueError, match="tile kernel"):
+        _attention_kernel._set_tile_kernel("simd")
+    assert _attention_kernel._set_tile_kernel("auto") == "auto"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_head_dims_and_uneven_tiles(rng, tile_kernel, dtype, d, is_causal):
+    """Lq = 37 rows (9 blocks of 4 and one of 1), Lk = 70 keys (a full tile and a partial one
+    of 6 or 38 keys): causal with Lq != Lk puts the diagonal inside both tiles."""
+    q = normal(rng, (2, 3, 37, d), dtype)
+    k, v = normal(rng, (2, 3, 70, d), dtype), normal(rng, (2, 3, 70, d), dtype)
+    out, expected = sdpa_pair(q, k, v, is_causal=is_causal)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("d", [256, 300])
+def test_auto_rule_either_side_of_the_crossover(rng, d):
+    """The default rule runs the fused kernel up to D = 256 and BLAS above: both right."""
+    assert _attention_kernel._set_tile_kernel("auto") == "auto"
+    q = normal(rng, (1, 2, 70, d), np.float32)
+    k, v = normal(rng, (1, 2, 90, d), np.float32), normal(rng, (1, 2, 90, d), np.float32)
+    out, expected = sdpa_pair(q, k, v, is_causal=True)
+    assert_close(out, expected, np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len,k_len", [(1, 300), (5, 130), (130, 70), (200, 200), (65, 3)])
+def test_causal_lq_ne_lk(rng, fused, dtype, q_len, k_len):
+    """Bottom-right causal: with Lq > Lk the first Lq - Lk rows see no key and give zeros."""
+    q = normal(rng, (1, 2, q_len, 64), dtype)
+    k, v = normal(rng, (1, 2, k_len, 64), dtype), normal(rng, (1, 2, k_len, 64), dtype)
+    out, expected = sdpa_pair(q, k, v, is_causal=True)
+    assert_close(out, expected, dtype)
+    np.testing.assert_array_equal(out[:, :, :max(0, q_len - k_len)], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_key_padding_at_both_ends(rng, tile_kernel, dtype, is_causal):
+    """The kernel's padding flags, through the module's key_padding_mask: padding at either end
+    (the task skips it) and inside a tile (the kernel masks it); a fully padded sequence."""
+    b, k_len = 5, 150
+    fast, ref = make_pair(rng, 32, 2, dtype)
+    x = rng.standard_normal((b, k_len, 32))
+    pad = np.zeros((b, k_len), bool)
+    pad[0, 100:] = True
+    pad[1, :70] = True
+    pad[2, :3] = pad[2, 140:] = True
+    pad[3, 20:90] = pad[3, 95] = True
+    pad[4] = True
+    assert_close(fast(x, key_padding_mask=pad, is_causal=is_causal),
+                 ref(x, key_padding_mask=pad, is_causal=is_causal), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(40, 90), (1, 1, 90), (2, 1, 40, 90), (2, 3, 40, 90)])
+def test_additive_mask(rng, tile_kernel, dtype, shape):
+    """Additive masks with every broadcast (the kernel's row and key strides), -inf included."""
+    q = normal(rng, (2, 3, 40, 16), dtype)
+    k, v = normal(rng, (2, 3, 90, 16), dtype), normal(rng, (2, 3, 90, 16), dtype)
+    mask = rng.standard_normal(shape).astype(dtype)
+    mask[rng.random(shape) < 0.2] = -np.inf
+    out, expected = sdpa_pair(q, k, v, attn_mask=mask)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_boolean_mask_with_fully_masked_rows(rng, tile_kernel, dtype, is_causal):
+    q = normal(rng, (2, 2, 30, 24), dtype)
+    k, v = normal(rng, (2, 2, 75, 24), dtype), normal(rng, (2, 2, 75, 24), dtype)
+    mask = rng.random((2, 1, 30, 75)) < 0.7
+    mask[0, :, 3] = False                           # fully masked rows of batch 0
+    mask[1, :, 10:20] = False                       # and of batch 1, several blocks
+    mask[:, :, 25, :64] = False                     # a row with keys in the second tile only
+    out, expected = sdpa_pair(q, k, v, attn_mask=mask, is_causal=is_causal)
+    assert_close(out, expected, dtype)
+    np.testing.assert_array_equal(out[0, :, 3], 0)
+    np.testing.assert_array_equal(out[1, :, 10:20], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [7, 64, 128])
+def test_gqa_decode(rng, tile_kernel, dtype, d):
+    """Lq = 1 with groups of 4 query heads: one task per (batch, KV head), its rows the group's
+    heads (row stride = head stride), with a key padding mask."""
+    q = normal(rng, (3, 8, 1, d), dtype)
+    k, v = normal(rng, (3, 2, 333, d), dtype), normal(rng, (3, 2, 333, d), dtype)
+    mask = np.ones((3, 1, 1, 333), bool)
+    mask[0, ..., 300:] = False
+    mask[1, ..., :5] = False
+    out, expected = sdpa_pair(q, k, v, attn_mask=mask)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_split_k(rng, tile_kernel, dtype, masked):
+    """Lq = 1 and one KV head over 5000 keys: the keys are split into parts that run in
+    parallel and are merged; a mask hides whole parts."""
+    q = normal(rng, (1, 1, 1, 64), dtype)
+    k, v = normal(rng, (1, 1, 5000, 64), dtype), normal(rng, (1, 1, 5000, 64), dtype)
+    mask = None
+    if masked:
+        mask = np.ones((1, 1, 1, 5000), bool)
+        mask[..., :1500] = mask[..., 4000:4100] = False
+    for n_threads in (1, 2, 3):
+        with mha_cy.threads(n_threads):
+            out, expected = sdpa_pair(q, k, v, attn_mask=mask)
+        assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nan_key_propagates(rng, tile_kernel, dtype, is_causal):
+    """A NaN in key 50 makes NaN the rows that see it (all, or with causal the rows >= 50),
+    never a silent 0; the other rows are untouched."""
+    q = normal(rng, (1, 2, 100, 16), dtype)
+    k, v = normal(rng, (1, 2, 100, 16), dtype), normal(rng, (1, 2, 100, 16), dtype)
+    k[0, 1, 50, 3] = np.nan
+    out, expected = sdpa_pair(q, k, v, is_causal=is_causal)
+    sees = np.zeros(out.shape[:3], bool)
+    sees[0, 1, 50 if is_causal else 0:] = True
+    np.testing.assert_array_equal(np.isnan(out).any(-1), sees)
+    assert np.isnan(out[sees]).all()
+    assert_close(out[~sees], expected[~sees], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["self_causal", "decode", "split_k", "padded"])
+def test_threads_bitwise_equal(rng, fused, dtype, case):
+    """The fused kernel's sums run in an order fixed by the shapes: 1, 2 or 3 threads give the
+    same bits."""
+    kwargs = {}
+    if case == "self_causal":
+        q = normal(rng, (2, 3, 300, 40), dtype)
+        k = v = q
+        kwargs["is_causal"] = True
+    elif case == "decode":
+        q = normal(rng, (2, 8, 1, 64), dtype)
+        k, v = normal(rng, (2, 2, 700, 64), dtype), normal(rng, (2, 2, 700, 64), dtype)
+    elif case == "split_k":
+        q = normal(rng, (1, 1, 1, 32), dtype)
+        k, v = normal(rng, (1, 1, 5000, 32), dtype), normal(rng, (1, 1, 5000, 32), dtype)
+    else:
+        q = normal(rng, (3, 2, 200, 16), dtype)
+        k = v = q
+        mask = np.ones((3, 1, 1, 200), bool)
+        mask[1, ..., 150:] = mask[2, ..., :30] = False
+        kwargs["attn_mask"] = mask
+    results = []
+    for n_threads in (1, 2, 3):
+        with mha_cy.threads(n_threads):
+            results.append(mha_cy.scaled_dot_product_attention(q, k, v, **kwargs))
+    assert_close(results[0], reference.scaled_dot_product_attention(q, k, v, **kwargs), dtype)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
