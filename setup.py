@@ -208,8 +208,11 @@ class BuildExt(build_ext):
             # that off; it halves the instructions of the dot products in src/).
             # -fopenmp-simd: honour `#pragma omp simd` (vectorized reductions in
             # src/) even in a build without the OpenMP runtime.
-            compile_args += ["-std=c11", "-fno-math-errno", "-ffp-contract=fast",
-                             "-fopenmp-simd", "-fvisibility=hidden"]
+            # -fno-trapping-math: nothing here reads FP exception flags; without it
+            # gcc keeps the branch-free exp of the softmax (src/fast_exp.h) scalar on
+            # AVX2, since it may not compute a select's both sides for every lane.
+            compile_args += ["-std=c11", "-fno-math-errno", "-fno-trapping-math",
+                             "-ffp-contract=fast", "-fopenmp-simd", "-fvisibility=hidden"]
             link_args = ["-g"] if DEBUG else []
         macros = []
         if NATIVE:
