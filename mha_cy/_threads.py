@@ -16,18 +16,20 @@ The affinity, the cgroup quota and OMP_NUM_THREADS are read once, at the first
 call (as the OpenMP runtime itself reads OMP_NUM_THREADS once, at start-up);
 change the count at run time with ``set_num_threads``.
 
-``set_num_threads(n)`` overrides the default for the whole process (an int
->= 1, not clamped to the core count: asking for more threads than cores is
-allowed, it oversubscribes); ``set_num_threads(None)`` goes back to the default.
-``threads(n)`` does the same for the duration of a ``with`` block and then
-restores the previous setting, also when the block raises.
+``set_num_threads(n)`` sets the default for the whole process (an int from 1
+to ``MAX_NUM_THREADS``, not clamped to the core count: asking for more threads
+than cores is allowed, it oversubscribes); ``set_num_threads(None)`` goes back
+to the automatic default.  Larger n raise ValueError: ``MAX_NUM_THREADS`` =
+max(64, 4 x os.cpu_count()), since more threads can only oversubscribe, and a
+team the system cannot create makes libgomp exit the process
+("Thread creation failed") instead of raising.
 
-The setting is **process-wide, not thread-local**: a value set in one Python
-thread is seen by all of them (a lock serialises writers).  ``with threads(n)``
-blocks that overlap in several Python threads therefore interleave: each one
-restores what it saw on entry.  To run inferences from several Python threads
-at once, call ``set_num_threads`` once up front (e.g. cores // Python threads)
-rather than entering ``threads()`` in each of them.
+``threads(n)`` overrides that for the duration of a ``with`` block and then
+restores the previous setting, also when the block raises.  It is a context
+variable (contextvars): it applies to the Python thread, or asyncio task, that
+entered the block, so blocks that overlap in several Python threads or tasks
+never see or undo each other's setting.  A new Python thread starts with the
+process-wide ``set_num_threads`` value.
 
 BLAS
 ----
@@ -51,6 +53,7 @@ default, so their calls from inside our parallel regions already run serially.
 """
 
 import contextlib
+import contextvars
 import math
 import operator
 import os
@@ -60,6 +63,7 @@ import warnings
 from ._openmp_helpers import openmp_enabled, openmp_max_threads
 
 __all__ = [
+    "MAX_NUM_THREADS",
     "blas_single_threaded",
     "get_num_threads",
     "set_num_threads",
@@ -67,7 +71,13 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_user_num_threads = None  # None: the default (see get_num_threads)
+_user_num_threads = None  # set_num_threads(): None = the automatic default
+# threads(n) blocks: per Python thread / asyncio task; _UNSET = use _user_num_threads.
+_UNSET = object()
+_context_num_threads = contextvars.ContextVar("mha_cy_num_threads", default=_UNSET)
+# Above this, a request can only oversubscribe, and libgomp exits the process when it
+# cannot create the team: refuse it up front (see the module docstring).
+MAX_NUM_THREADS = max(64, 4 * (os.cpu_count() or 1))
 _cpu_limit = None  # affinity / cgroup / OMP_NUM_THREADS bound, read once
 _OPENMP = openmp_enabled()
 
@@ -145,7 +155,7 @@ def _default_num_threads():
 
 
 def _check_num_threads(n):
-    """n validated for set_num_threads / threads: None or an int >= 1."""
+    """n validated for set_num_threads / threads: None or an int in 1..MAX_NUM_THREADS."""
     if n is None:
         return None
     try:
@@ -158,6 +168,10 @@ def _check_num_threads(n):
         ) from None
     if n < 1:
         raise ValueError(f"n must be an int >= 1 or None, got {n!r}")
+    if n > MAX_NUM_THREADS:
+        raise ValueError(
+            f"n must be an int >= 1 or None, at most MAX_NUM_THREADS = {MAX_NUM_THREADS} "
+            f"(4 x the CPU count, at least 64); got {n!r}")
     return n
 
 
@@ -166,9 +180,10 @@ def set_num_threads(n):
 
     Parameters
     ----------
-    n : int >= 1 or None
-        None restores the default: the cores this process may use (affinity,
-        cgroup quota, OMP_NUM_THREADS, omp_get_max_threads()).  In a build
+    n : int in 1..MAX_NUM_THREADS, or None
+        Larger n raise ValueError (see the module docstring).  None restores
+        the default: the cores this process may use (affinity, cgroup quota,
+        OMP_NUM_THREADS, omp_get_max_threads()).  In a build
         without OpenMP the kernels run on 1 thread whatever ``n`` is.
     """
     global _user_num_threads
@@ -180,7 +195,9 @@ def set_num_threads(n):
 def get_num_threads():
     """Number of threads the kernels will use (always 1 without OpenMP, and 1 in a process
     forked from one whose kernels had started OpenMP threads: see _after_fork_in_child)."""
-    n = _user_num_threads  # one read: no lock needed
+    n = _context_num_threads.get()
+    if n is _UNSET:
+        n = _user_num_threads  # one read: no lock needed
     n = _default_num_threads() if n is None else (n if _OPENMP else 1)
     if n > 1 and _forked_after_parallel:
         _warn_forked_once()
@@ -215,20 +232,16 @@ def _warn_forked_once():
 def threads(n):
     """``with threads(n): ...`` uses n threads inside, then restores the previous setting.
 
-    ``n`` as for :func:`set_num_threads` (None: the default).  The previous
-    setting comes back also when the block raises.  Process-wide, like
-    ``set_num_threads``.
+    ``n`` as for :func:`set_num_threads` (None: the automatic default).  The
+    previous setting comes back also when the block raises.  The setting is a
+    context variable: it applies only to the Python thread (or asyncio task)
+    that entered the block, and overrides ``set_num_threads`` there.
     """
-    global _user_num_threads
-    n = _check_num_threads(n)
-    with _lock:
-        previous = _user_num_threads
-        _user_num_threads = n
+    token = _context_num_threads.set(_check_num_threads(n))
     try:
         yield get_num_threads()
     finally:
-        with _lock:
-            _user_num_threads = previous
+        _context_num_threads.reset(token)
 
 
 # -- scipy's BLAS ----------------------------------------------------------------
