@@ -46,10 +46,18 @@ calls the BLAS's own get/set functions directly rather than going through
 
 It is reentrant and safe across Python threads: nested or concurrent forward
 calls share one "hold" (a counter under a lock); the first one in saves the
-previous count and sets 1, the last one out restores it.  If the count is
-already 1 it does nothing.  BLAS libraries threaded with OpenMP (rather than
-pthreads, as in scipy's wheels) are left alone: OpenMP does not nest by
-default, so their calls from inside our parallel regions already run serially.
+previous count and sets 1, the last one out restores it, unless someone else
+changed the count meanwhile (their value then stays).  If the count is already
+1 it does nothing.  BLAS libraries threaded with OpenMP (rather than pthreads,
+as in scipy's wheels) are left alone: OpenMP does not nest by default, so their
+calls from inside our parallel regions already run serially.
+
+The count is process-wide state (OpenBLAS's ``openblas_set_num_threads_local``
+is no way out: in pthreads builds, scipy's 0.3.30 included, it sets the global
+count too, and OpenBLAS only runs serially inside an OpenMP region when it is
+itself built with OpenMP).  So one race is left that no holder can fix: a
+``threadpool_limits`` entered in another thread *during* a hold saves our
+temporary 1 and, if it leaves after the hold, restores that 1.
 """
 
 import contextlib
@@ -83,18 +91,47 @@ _OPENMP = openmp_enabled()
 
 # GNU OpenMP (libgomp) cannot run a parallel region in a child forked after the parent started
 # its thread pool: the child hangs (multiprocessing's default "fork" start method on Linux).
-# Such a child therefore runs the kernels on one thread, with a warning.
+# Such a child therefore runs the kernels on one thread, with a warning.  Our own kernels are
+# not the only ones that start that pool (another extension, a ctypes GOMP_parallel), and
+# libgomp has no API that says whether it did, so at fork time the parent also counts its
+# OS threads (/proc/self/task): any thread Python does not know about may be an OpenMP
+# worker.  That is conservative (a BLAS thread pool counts too): a child slower than it
+# could be, but never one that hangs.
 _parallel_used = False          # a kernel may have started OpenMP threads in this process
 _forked_after_parallel = False  # this process is a fork of one where that happened
+_native_threads_at_fork = False  # set in the parent just before a fork
+
+
+def _native_threads_running():
+    """True when the process has OS threads that are not Python threads (or cannot tell)."""
+    try:
+        n_os = len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: only our own kernels are known
+        return False
+    return n_os > threading.active_count()
+
+
+def _before_fork():
+    global _native_threads_at_fork
+    _native_threads_at_fork = _OPENMP and _native_threads_running()
 
 
 def _after_fork_in_child():
-    global _forked_after_parallel
-    _forked_after_parallel = _forked_after_parallel or _parallel_used
+    global _forked_after_parallel, _blas_lock, _blas_depth, _blas_restore
+    _forked_after_parallel = _forked_after_parallel or _parallel_used or _native_threads_at_fork
+    # The holders of the parent's "BLAS on 1 thread" hold did not come along (only the forking
+    # thread did): give the child its BLAS count back, and a fresh lock (it may have been
+    # held by a thread that no longer exists).
+    _blas_lock = threading.Lock()
+    _blas_depth = 0
+    if _blas_restore is not None:
+        n, _blas_restore = _blas_restore, None
+        if _scipy_blas.get() == 1:
+            _scipy_blas.set(n)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 # -- thread count --------------------------------------------------------------
@@ -223,7 +260,8 @@ def _warn_forked_once():
         _warned_forked = True
         warnings.warn(
             "mha_cy runs single-threaded in this process: it was forked after OpenMP threads "
-            "had started in its parent, and GNU OpenMP hangs in such a child. Use the 'spawn' "
+            "had (or may have) started in its parent, and GNU OpenMP hangs in such a child. "
+            "Use the 'spawn' "
             "or 'forkserver' start method of multiprocessing for parallel kernels.",
             RuntimeWarning, stacklevel=3)
 
@@ -350,10 +388,14 @@ class _BlasSingleThreaded:
     def __exit__(self, exc_type, exc, tb):
         global _blas_depth, _blas_restore
         with _blas_lock:
-            _blas_depth -= 1
+            # max(): a hold entered before a fork leaves in the child, whose depth restarted at 0
+            _blas_depth = max(0, _blas_depth - 1)
             if _blas_depth == 0 and _blas_restore is not None:
                 n, _blas_restore = _blas_restore, None
-                _scipy_blas.set(n)
+                # Restore only our own 1: a count someone else set during the hold (e.g.
+                # another thread's threadpool_limits leaving) is theirs and must stay.
+                if _scipy_blas.get() == 1:
+                    _scipy_blas.set(n)
         return False
 
 
