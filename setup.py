@@ -19,6 +19,19 @@ Environment variables (all take 1/0, true/false, yes/no, on/off):
                             (to test the serial fallback).
   MHA_CY_ANNOTATE=1         also write Cython's annotated HTML (cython -a) next
                             to each .pyx, to check hot loops for Python calls.
+  MHA_CY_SANITIZE=1         compile and link with -fsanitize=address,undefined
+                            -fno-omit-frame-pointer (gcc/clang), for memory and
+                            undefined-behaviour checks.  CPython itself is not
+                            instrumented, so preload the ASan runtime and turn
+                            off leak checking (CPython keeps objects alive at exit):
+
+      MHA_CY_SANITIZE=1 python setup.py build_ext --inplace
+      LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 python -m pytest -x tests/...
+
+The OpenMP probe compiles and links with the environment's CFLAGS / LDFLAGS
+(and the sanitizer flags), as the real build does: a flag that breaks linking
+then fails the probe loudly instead of silently giving a serial build.
 
 A change of any of these (or of the compiler / Cython version) since the last
 build in the same build/ directory forces Cython and the C compiler to rerun.
@@ -62,9 +75,12 @@ DEBUG = _env_flag("MHA_CY_DEBUG")
 REQUIRE_OPENMP = _env_flag("MHA_CY_REQUIRE_OPENMP")
 DISABLE_OPENMP = _env_flag("MHA_CY_DISABLE_OPENMP")
 ANNOTATE = _env_flag("MHA_CY_ANNOTATE")
+SANITIZE = _env_flag("MHA_CY_SANITIZE")
 
 PACKAGE = "mha_cy"
 SRC_DIR = "src"
+
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 
 CYTHON_DIRECTIVES = {
     "language_level": 3,
@@ -165,11 +181,23 @@ class BuildExt(build_ext):
         print(message, file=sys.stderr, flush=True)
         return None
 
+    @staticmethod
+    def _env_flags(name):
+        """The environment's CFLAGS / LDFLAGS as a list."""
+        return os.environ.get(name, "").split()
+
     def _probe_openmp(self, compile_flags, link_flags):
         """Compile and link a tiny OpenMP program with self.compiler.
 
+        Links with CFLAGS / LDFLAGS and the sanitizer flags as the extensions will (the
+        compile command already has CFLAGS, but link_executable has neither): a probe
+        linked without them passes where the real build comes out different.
         Returns None on success, else a one-line reason.
         """
+        extra = SANITIZE_FLAGS if SANITIZE else []
+        compile_flags = extra + list(compile_flags)
+        link_flags = (self._env_flags("CFLAGS") + self._env_flags("LDFLAGS") + extra
+                      + list(link_flags))
         tmp = tempfile.mkdtemp(prefix="mha_cy_openmp_probe_")
         try:
             source = os.path.join(tmp, "probe.c")
@@ -187,7 +215,8 @@ class BuildExt(build_ext):
                     objects, "probe", output_dir=tmp, extra_postargs=link_flags
                 )
             except Exception:  # LinkError: e.g. no OpenMP runtime library
-                return f"an OpenMP test program compiled with {flags} does not link"
+                return (f"an OpenMP test program compiled with {flags} does not link with "
+                        f"{' '.join(link_flags)}")
             return None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -221,6 +250,11 @@ class BuildExt(build_ext):
             else:
                 compile_args.append("-march=native")
                 macros.append(("MHA_CY_NATIVE_BUILD", "1"))
+        if SANITIZE:
+            if msvc:
+                sys.exit("error: MHA_CY_SANITIZE=1 needs gcc or clang")
+            compile_args += SANITIZE_FLAGS
+            link_args += SANITIZE_FLAGS
         openmp = self._openmp_flags()
         if openmp is not None:
             compile_args += openmp[0]

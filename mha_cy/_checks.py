@@ -12,7 +12,14 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def float_dtype(dtype, name="dtype"):
-    """The numpy dtype for a module/compute dtype: float32 or float64, else TypeError."""
+    """The numpy dtype for a module/compute dtype: float32 or float64, else TypeError.
+
+    None is refused: np.dtype(None) is float64, which would silently double the memory of a
+    module whose documented default is float32. Callers with a meaning for None (e.g.
+    "infer from the weights") handle it before calling.
+    """
+    if dtype is None:
+        raise TypeError(f"{name} must be float32 or float64; got None")
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -31,15 +38,20 @@ def positive_int(value, name):
 
 
 def as_array(x, name):
-    """x as a numpy array of real numbers (CPU torch tensors are accepted too)."""
+    """x as a numpy array of real numbers (CPU torch tensors are accepted too).
+
+    bool arrays are data like any other (True = 1.0) and are converted by the callers; the
+    bool *masks* have their own checks (check_key_padding_mask, check_attn_mask).
+    """
     if hasattr(x, "detach") and hasattr(x, "cpu"):        # a torch.Tensor, without importing torch
         x = x.detach().cpu().numpy()
     try:
         arr = np.asarray(x)
     except Exception as exc:
         raise TypeError(f"{name} must be an array of real numbers; got {type(x).__name__}") from exc
-    if arr.dtype.kind not in "fiu":
-        raise TypeError(f"{name} must have a real floating (or integer) dtype; got {arr.dtype}")
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(
+            f"{name} must have a real floating (or integer or bool) dtype; got {arr.dtype}")
     return arr
 
 

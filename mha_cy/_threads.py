@@ -16,18 +16,20 @@ The affinity, the cgroup quota and OMP_NUM_THREADS are read once, at the first
 call (as the OpenMP runtime itself reads OMP_NUM_THREADS once, at start-up);
 change the count at run time with ``set_num_threads``.
 
-``set_num_threads(n)`` overrides the default for the whole process (an int
->= 1, not clamped to the core count: asking for more threads than cores is
-allowed, it oversubscribes); ``set_num_threads(None)`` goes back to the default.
-``threads(n)`` does the same for the duration of a ``with`` block and then
-restores the previous setting, also when the block raises.
+``set_num_threads(n)`` sets the default for the whole process (an int from 1
+to ``MAX_NUM_THREADS``, not clamped to the core count: asking for more threads
+than cores is allowed, it oversubscribes); ``set_num_threads(None)`` goes back
+to the automatic default.  Larger n raise ValueError: ``MAX_NUM_THREADS`` =
+max(64, 4 x os.cpu_count()), since more threads can only oversubscribe, and a
+team the system cannot create makes libgomp exit the process
+("Thread creation failed") instead of raising.
 
-The setting is **process-wide, not thread-local**: a value set in one Python
-thread is seen by all of them (a lock serialises writers).  ``with threads(n)``
-blocks that overlap in several Python threads therefore interleave: each one
-restores what it saw on entry.  To run inferences from several Python threads
-at once, call ``set_num_threads`` once up front (e.g. cores // Python threads)
-rather than entering ``threads()`` in each of them.
+``threads(n)`` overrides that for the duration of a ``with`` block and then
+restores the previous setting, also when the block raises.  It is a context
+variable (contextvars): it applies to the Python thread, or asyncio task, that
+entered the block, so blocks that overlap in several Python threads or tasks
+never see or undo each other's setting.  A new Python thread starts with the
+process-wide ``set_num_threads`` value.
 
 BLAS
 ----
@@ -44,13 +46,22 @@ calls the BLAS's own get/set functions directly rather than going through
 
 It is reentrant and safe across Python threads: nested or concurrent forward
 calls share one "hold" (a counter under a lock); the first one in saves the
-previous count and sets 1, the last one out restores it.  If the count is
-already 1 it does nothing.  BLAS libraries threaded with OpenMP (rather than
-pthreads, as in scipy's wheels) are left alone: OpenMP does not nest by
-default, so their calls from inside our parallel regions already run serially.
+previous count and sets 1, the last one out restores it, unless someone else
+changed the count meanwhile (their value then stays).  If the count is already
+1 it does nothing.  BLAS libraries threaded with OpenMP (rather than pthreads,
+as in scipy's wheels) are left alone: OpenMP does not nest by default, so their
+calls from inside our parallel regions already run serially.
+
+The count is process-wide state (OpenBLAS's ``openblas_set_num_threads_local``
+is no way out: in pthreads builds, scipy's 0.3.30 included, it sets the global
+count too, and OpenBLAS only runs serially inside an OpenMP region when it is
+itself built with OpenMP).  So one race is left that no holder can fix: a
+``threadpool_limits`` entered in another thread *during* a hold saves our
+temporary 1 and, if it leaves after the hold, restores that 1.
 """
 
 import contextlib
+import contextvars
 import math
 import operator
 import os
@@ -60,6 +71,7 @@ import warnings
 from ._openmp_helpers import openmp_enabled, openmp_max_threads
 
 __all__ = [
+    "MAX_NUM_THREADS",
     "blas_single_threaded",
     "get_num_threads",
     "set_num_threads",
@@ -67,24 +79,59 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_user_num_threads = None  # None: the default (see get_num_threads)
+_user_num_threads = None  # set_num_threads(): None = the automatic default
+# threads(n) blocks: per Python thread / asyncio task; _UNSET = use _user_num_threads.
+_UNSET = object()
+_context_num_threads = contextvars.ContextVar("mha_cy_num_threads", default=_UNSET)
+# Above this, a request can only oversubscribe, and libgomp exits the process when it
+# cannot create the team: refuse it up front (see the module docstring).
+MAX_NUM_THREADS = max(64, 4 * (os.cpu_count() or 1))
 _cpu_limit = None  # affinity / cgroup / OMP_NUM_THREADS bound, read once
 _OPENMP = openmp_enabled()
 
 # GNU OpenMP (libgomp) cannot run a parallel region in a child forked after the parent started
 # its thread pool: the child hangs (multiprocessing's default "fork" start method on Linux).
-# Such a child therefore runs the kernels on one thread, with a warning.
+# Such a child therefore runs the kernels on one thread, with a warning.  Our own kernels are
+# not the only ones that start that pool (another extension, a ctypes GOMP_parallel), and
+# libgomp has no API that says whether it did, so at fork time the parent also counts its
+# OS threads (/proc/self/task): any thread Python does not know about may be an OpenMP
+# worker.  That is conservative (a BLAS thread pool counts too): a child slower than it
+# could be, but never one that hangs.
 _parallel_used = False          # a kernel may have started OpenMP threads in this process
 _forked_after_parallel = False  # this process is a fork of one where that happened
+_native_threads_at_fork = False  # set in the parent just before a fork
+
+
+def _native_threads_running():
+    """True when the process has OS threads that are not Python threads (or cannot tell)."""
+    try:
+        n_os = len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: only our own kernels are known
+        return False
+    return n_os > threading.active_count()
+
+
+def _before_fork():
+    global _native_threads_at_fork
+    _native_threads_at_fork = _OPENMP and _native_threads_running()
 
 
 def _after_fork_in_child():
-    global _forked_after_parallel
-    _forked_after_parallel = _forked_after_parallel or _parallel_used
+    global _forked_after_parallel, _blas_lock, _blas_depth, _blas_restore
+    _forked_after_parallel = _forked_after_parallel or _parallel_used or _native_threads_at_fork
+    # The holders of the parent's "BLAS on 1 thread" hold did not come along (only the forking
+    # thread did): give the child its BLAS count back, and a fresh lock (it may have been
+    # held by a thread that no longer exists).
+    _blas_lock = threading.Lock()
+    _blas_depth = 0
+    if _blas_restore is not None:
+        n, _blas_restore = _blas_restore, None
+        if _scipy_blas.get() == 1:
+            _scipy_blas.set(n)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 # -- thread count --------------------------------------------------------------
@@ -145,7 +192,7 @@ def _default_num_threads():
 
 
 def _check_num_threads(n):
-    """n validated for set_num_threads / threads: None or an int >= 1."""
+    """n validated for set_num_threads / threads: None or an int in 1..MAX_NUM_THREADS."""
     if n is None:
         return None
     try:
@@ -158,6 +205,10 @@ def _check_num_threads(n):
         ) from None
     if n < 1:
         raise ValueError(f"n must be an int >= 1 or None, got {n!r}")
+    if n > MAX_NUM_THREADS:
+        raise ValueError(
+            f"n must be an int >= 1 or None, at most MAX_NUM_THREADS = {MAX_NUM_THREADS} "
+            f"(4 x the CPU count, at least 64); got {n!r}")
     return n
 
 
@@ -166,9 +217,10 @@ def set_num_threads(n):
 
     Parameters
     ----------
-    n : int >= 1 or None
-        None restores the default: the cores this process may use (affinity,
-        cgroup quota, OMP_NUM_THREADS, omp_get_max_threads()).  In a build
+    n : int in 1..MAX_NUM_THREADS, or None
+        Larger n raise ValueError (see the module docstring).  None restores
+        the default: the cores this process may use (affinity, cgroup quota,
+        OMP_NUM_THREADS, omp_get_max_threads()).  In a build
         without OpenMP the kernels run on 1 thread whatever ``n`` is.
     """
     global _user_num_threads
@@ -180,7 +232,9 @@ def set_num_threads(n):
 def get_num_threads():
     """Number of threads the kernels will use (always 1 without OpenMP, and 1 in a process
     forked from one whose kernels had started OpenMP threads: see _after_fork_in_child)."""
-    n = _user_num_threads  # one read: no lock needed
+    n = _context_num_threads.get()
+    if n is _UNSET:
+        n = _user_num_threads  # one read: no lock needed
     n = _default_num_threads() if n is None else (n if _OPENMP else 1)
     if n > 1 and _forked_after_parallel:
         _warn_forked_once()
@@ -206,7 +260,8 @@ def _warn_forked_once():
         _warned_forked = True
         warnings.warn(
             "mha_cy runs single-threaded in this process: it was forked after OpenMP threads "
-            "had started in its parent, and GNU OpenMP hangs in such a child. Use the 'spawn' "
+            "had (or may have) started in its parent, and GNU OpenMP hangs in such a child. "
+            "Use the 'spawn' "
             "or 'forkserver' start method of multiprocessing for parallel kernels.",
             RuntimeWarning, stacklevel=3)
 
@@ -215,20 +270,16 @@ def _warn_forked_once():
 def threads(n):
     """``with threads(n): ...`` uses n threads inside, then restores the previous setting.
 
-    ``n`` as for :func:`set_num_threads` (None: the default).  The previous
-    setting comes back also when the block raises.  Process-wide, like
-    ``set_num_threads``.
+    ``n`` as for :func:`set_num_threads` (None: the automatic default).  The
+    previous setting comes back also when the block raises.  The setting is a
+    context variable: it applies only to the Python thread (or asyncio task)
+    that entered the block, and overrides ``set_num_threads`` there.
     """
-    global _user_num_threads
-    n = _check_num_threads(n)
-    with _lock:
-        previous = _user_num_threads
-        _user_num_threads = n
+    token = _context_num_threads.set(_check_num_threads(n))
     try:
         yield get_num_threads()
     finally:
-        with _lock:
-            _user_num_threads = previous
+        _context_num_threads.reset(token)
 
 
 # -- scipy's BLAS ----------------------------------------------------------------
@@ -337,10 +388,14 @@ class _BlasSingleThreaded:
     def __exit__(self, exc_type, exc, tb):
         global _blas_depth, _blas_restore
         with _blas_lock:
-            _blas_depth -= 1
+            # max(): a hold entered before a fork leaves in the child, whose depth restarted at 0
+            _blas_depth = max(0, _blas_depth - 1)
             if _blas_depth == 0 and _blas_restore is not None:
                 n, _blas_restore = _blas_restore, None
-                _scipy_blas.set(n)
+                # Restore only our own 1: a count someone else set during the hold (e.g.
+                # another thread's threadpool_limits leaving) is theirs and must stay.
+                if _scipy_blas.get() == 1:
+                    _scipy_blas.set(n)
         return False
 
 

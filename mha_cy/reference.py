@@ -20,6 +20,12 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D); attn_mask None, bool (True = may attend) or
     additive, broadcastable to (B, Hq, Lq, Lk); key_padding_mask None or bool (B, Lk),
     True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq.
+
+    Which keys a row sees is decided by the masks alone: a key is masked by a False in a
+    bool mask, by padding, by causality, or by -inf in an additive mask, and a masked key's
+    score is never looked at. A row whose keys are all masked (or with no keys) gives
+    zeros, in the output and the weights. In any other row a NaN or +inf that reaches the
+    scores (from q, k, the scale or an additive mask) makes the whole row NaN, as in torch.
     """
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)          # query head h reads key/value head h // group
@@ -32,6 +38,7 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
         if attn_mask.dtype == bool:
             allowed &= attn_mask
         else:
+            allowed &= attn_mask != -np.inf
             scores = scores + attn_mask
     if key_padding_mask is not None:
         allowed &= ~key_padding_mask[:, None, None, :]
@@ -39,17 +46,18 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
         q_len, k_len = scores.shape[-2:]
         query_pos = np.arange(q_len)[:, None] + (k_len - q_len)
         allowed &= np.arange(k_len)[None, :] <= query_pos
+    fully_masked = ~allowed.any(axis=-1, keepdims=True)
     scores = np.where(allowed, scores, -np.inf)
 
-    if scores.shape[-1] == 0:                # no keys: nothing to attend to
-        weights = np.zeros_like(scores)
-    else:
-        row_max = scores.max(axis=-1, keepdims=True)
-        row_max = np.where(np.isneginf(row_max), 0, row_max)   # all masked: exp(-inf) = 0
+    # An ordinary softmax: a NaN or +inf row maximum turns the row into NaN by itself
+    # (NaN - NaN, inf - inf); fully masked rows get a harmless maximum and total instead.
+    with np.errstate(invalid="ignore"):
+        row_max = np.where(fully_masked, 0, scores.max(axis=-1, keepdims=True, initial=-np.inf))
         e = np.exp(scores - row_max)
-        total = e.sum(axis=-1, keepdims=True)
-        weights = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-    return weights @ v, weights
+        total = np.where(fully_masked, 1, e.sum(axis=-1, keepdims=True))
+        weights = e / total
+        out = np.where(fully_masked, 0, weights @ v)   # zeros even if v holds NaN or inf
+    return out, weights
 
 
 def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
