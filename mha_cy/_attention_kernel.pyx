@@ -278,19 +278,21 @@ cdef void _merge_parts(const Problem *p, Py_ssize_t base, Py_ssize_t n_parts,
                        const floating *parts, Py_ssize_t part_size, Py_ssize_t max_rows,
                        floating *out) noexcept nogil:
     """out rows of task `base` from the (acc, max, sum) its n_parts parts left in `parts`:
-    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s with M = max_s m_s."""
+    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s with M = max_s m_s. A part that
+    saw a NaN score has m_s = NaN: M is then NaN too, and so is the row (as without split-K)."""
     cdef Task task
     _task(p, base, &task)
     cdef Py_ssize_t r, s, d
     cdef const floating *part
-    cdef floating m, total, weight
+    cdef floating m, m_s, total, weight
     cdef floating *o
     for r in range(task.rows):
         o = out + task.o_off + r * task.o_rs
         m = -INFINITY
         for s in range(n_parts):
-            part = parts + (base * n_parts + s) * part_size
-            m = max(m, part[max_rows * p.dv + r])
+            m_s = parts[(base * n_parts + s) * part_size + max_rows * p.dv + r]
+            if m_s > m or m_s != m_s:       # a NaN sticks (max() would skip it)
+                m = m_s
         total = 0
         for d in range(p.dv):
             o[d] = 0
@@ -304,8 +306,8 @@ cdef void _merge_parts(const Problem *p, Py_ssize_t base, Py_ssize_t n_parts,
             total += weight * part[max_rows * (p.dv + 1) + r]
             for d in range(p.dv):
                 o[d] += weight * part[r * p.dv + d]
-        for d in range(p.dv):
-            o[d] = o[d] / total if total > 0 else 0
+        for d in range(p.dv):       # total >= 1 for a finite M, NaN for a NaN row
+            o[d] = o[d] / total
 
 
 cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,

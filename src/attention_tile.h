@@ -39,7 +39,7 @@ void mha_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride
 void mha_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
                          const unsigned char *pad, int n_valid);
 
-/* out[0:dv] = acc / l, or zeros when l == 0 (every key of the row was masked). */
+/* out[0:dv] = acc / l, or zeros when l == 0 (every key of the row was masked); NaN l: NaN. */
 void mha_finish_row_f32(const float *acc, float l, float *out, int dv);
 void mha_finish_row_f64(const double *acc, double l, double *out, int dv);
 

@@ -13,13 +13,15 @@
  * vectorized better there than the pragma did. A NaN score still ends in a NaN output. */
 #define LANES 16
 
-/* Pass 1 of every row: add the mask, mark masked keys with -inf; return the row max. */
+/* Pass 1 of every row: add the additive mask, then mark the keys that causality or padding
+ * hide with -inf (after the addition, so that a +inf or NaN in the additive mask at a hidden
+ * key cannot turn it into NaN); return the row max, or NaN when a visible score is NaN. The
+ * max skips NaN, so without that flag a row whose scores are all NaN would look fully masked
+ * and give zeros: a NaN (or a +inf, whose exp(inf - inf) is NaN) that reaches a row's scores
+ * makes the whole row NaN, as in NumPy and torch. */
 static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
                                      const unsigned char *pad, int n_valid)
 {
-    if (n_valid < n)
-        for (ptrdiff_t j = (n_valid > 0 ? n_valid : 0); j < n; j++)
-            s[j] = -INFINITY;
     if (add != NULL) {
         if (add_stride == 1)
             for (ptrdiff_t j = 0; j < n; j++)
@@ -28,14 +30,20 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
             for (ptrdiff_t j = 0; j < n; j++)
                 s[j] += add[j * add_stride];
     }
+    if (n_valid < n)
+        for (ptrdiff_t j = (n_valid > 0 ? n_valid : 0); j < n; j++)
+            s[j] = -INFINITY;
     if (pad != NULL)
         for (ptrdiff_t j = 0; j < n; j++)
             s[j] = pad[j] ? -INFINITY : s[j];
     REAL mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-    for (ptrdiff_t j = 0; j < n; j++)
+    int nan_seen = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan_seen)
+    for (ptrdiff_t j = 0; j < n; j++) {
         mx = s[j] > mx ? s[j] : mx;
-    return mx;
+        nan_seen |= s[j] != s[j];
+    }
+    return nan_seen ? (REAL)NAN : mx;
 }
 
 /* Pass 2: s_j <- exp(s_j - mx) (0 for -inf); return the sum. */
@@ -66,7 +74,8 @@ void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_
 {
     REAL tile_max = FN(mask_and_max_)(s, n, add, add_stride, pad, n_valid);
     REAL m_old = *m;
-    REAL m_new = tile_max > m_old ? tile_max : m_old;
+    /* a NaN max (a NaN score) sticks: every later tile keeps it and the row ends NaN */
+    REAL m_new = tile_max > m_old || tile_max != tile_max ? tile_max : m_old;
     if (m_new == -INFINITY) {           /* nothing visible yet: keep m = -inf, l = 0, acc = 0 */
         for (ptrdiff_t j = 0; j < n; j++)
             s[j] = 0;
@@ -102,7 +111,7 @@ void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
 MHA_SIMD_CLONES
 void FN(mha_finish_row_)(const REAL *acc, REAL l, REAL *out, int dv)
 {
-    REAL inv = l > 0 ? 1 / l : 0;
+    REAL inv = l == 0 ? 0 : 1 / l;      /* l is NaN when a NaN reached the row: keep it */
     for (ptrdiff_t d = 0; d < dv; d++)
         out[d] = acc[d] * inv;
 }
