@@ -24,9 +24,9 @@
  *   beyond D = 256 BLAS wins: (1, 4, 256, D) D=384 28.6 / 22.4, D=512 36.5 / 29.1; decode
  *     4 rows D=384 8.1 / 8.2, D=512 9.3 / 7.4 (the packed tile, D x 256 bytes, leaves L1).
  * The number of rows did not move the crossover (256-row tasks gain the most); the one loss
- * below D = 256 (L = 64, D = 128: 7%, reproduced) is not worth a rule of its own. With the BLAS
- * path's own softmax, whose exp stays scalar on AVX2 (see attention_microkernel.c), the fused
- * kernel is 1.5-2.8x faster at every D <= 256 measured. Not measured: AVX-512 machines.
+ * below D = 256 (L = 64, D = 128: 7%, reproduced) is not worth a rule of its own. (Before the
+ * build had -fno-trapping-math, the softmax's exp stayed scalar on AVX2 and the fused kernel
+ * was 1.5-2.8x faster than BLAS at every D <= 256.) Not measured: AVX-512 machines.
  */
 #ifndef MHA_ATTENTION_MICROKERNEL_H
 #define MHA_ATTENTION_MICROKERNEL_H
