@@ -6,14 +6,17 @@ Layout of the package (one job per file):
   _module.py              what both share: parameters, argument checks, KV-cache bookkeeping
   _checks.py              argument validation (errors name the argument, expected and actual)
   _cache.py               KVCache, the preallocated keys/values of incremental decoding
-  _linear_kernel.pyx      the projections (x @ W.T + b), split over OpenMP threads
-  _attention_kernel.pyx   fused attention: BLAS score tiles + online softmax, OpenMP over tasks
+  _linear_kernel.pyx      the projections (x @ W.T + b), shape-fixed tiles over OpenMP threads
+  _attention_kernel.pyx   attention tasks over OpenMP threads: fused C tiles (BLAS for head
+                          dims > 256), online softmax, split-K
   _cython_blas.pyx/.pxd   row-major GEMM over scipy.linalg.cython_blas (nogil)
   _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
   _threads.py             the thread-count contract; BLAS held to one thread inside kernels
   _build_info.py          build_info(): version, OpenMP, threads, BLAS, SIMD level
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
-  ../src/                 plain C: per-row masking, online softmax and a vectorized exp
+  ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
+                          attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
+                          (projections of <= 256 rows), small_gemm (decode projections)
 """
 from ._version import __version__
 from ._cache import KVCache
