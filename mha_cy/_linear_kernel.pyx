@@ -13,6 +13,7 @@ column blocks over all rows:
   the tiles, the weight is read in place (BLAS's per-call costs dominate at these sizes).
 """
 from libc.math cimport sqrt
+from libc.limits cimport INT_MAX
 from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
@@ -55,6 +56,8 @@ cdef double MIN_TILE_FLOPS = 16e6
 # At most this many tiles: enough to share among many cores and to even out 2 or 3 threads,
 # few enough that re-reading x and w per tile stays a few percent of the work.
 cdef Py_ssize_t MAX_TILES = 64
+# BLAS takes 32-bit sizes: a tile's rows and columns stay far below 2**31 whatever the shape.
+cdef Py_ssize_t MAX_TILE_EDGE = 1 << 20
 # Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
 cdef Py_ssize_t COL_ALIGN = 16
 cdef Py_ssize_t ROW_ALIGN = 8
@@ -112,24 +115,28 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
                   out + r0 * ldo + c0, ldo, min(tile_rows, M - r0), c1 - c0, K, few_rows)
 
 
-cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint few_rows,
+cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
                      Py_ssize_t *tile_rows, Py_ssize_t *tile_cols) noexcept nogil:
     """Tile sizes for an (M, N) output with inner size K: a function of the shape only.
-    About `target` tiles of near-square shape: the grid has round(M / side) x round(N / side)
-    tiles (at least 1 each way) for side = sqrt(M N / target)."""
+    BLAS tiles: about `target` tiles of near-square shape, side = sqrt(M N / target): about
+    N / side columns of tiles and target / that many rows (at least 1 each way). Column blocks
+    (the paths without BLAS): a tile repacks nothing, so tiles may be 4x smaller, which evens
+    out the threads' shares of small products (9 tiles of 128 x 768 @ 768 x 768 split 5:4)."""
     cdef double flops = 2.0 * M * N * K
-    cdef double target = max(1.0, min(<double> MAX_TILES, flops / MIN_TILE_FLOPS))
+    cdef double min_flops = MIN_TILE_FLOPS / 4 if column_blocks else MIN_TILE_FLOPS
+    cdef double target = max(1.0, min(<double> MAX_TILES, flops / min_flops))
     cdef double side = sqrt(<double> M * N / target)
-    cdef Py_ssize_t row_tiles = 1 if few_rows else max(1, <Py_ssize_t> (M / side + 0.5))
-    cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
-    tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN))
-    tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN))
+    cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (N / side + 0.5))
+    cdef Py_ssize_t row_tiles = 1 if column_blocks else max(1, <Py_ssize_t> (target / col_tiles + 0.5))
+    col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
+    tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN), MAX_TILE_EDGE)
+    tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN), MAX_TILE_EDGE)
 
 
-def tile_grid(M, N, K, few_rows=False):
+def tile_grid(M, N, K, column_blocks=False):
     """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning)."""
     cdef Py_ssize_t tr, tc
-    _tile_grid(M, N, K, few_rows, &tr, &tc)
+    _tile_grid(M, N, K, column_blocks, &tr, &tc)
     return tr, tc
 
 
@@ -151,6 +158,9 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
         bias_ptr = &bias_view[0]
     if M == 0 or N == 0:
         return out
+    if K > INT_MAX or N > INT_MAX:      # BLAS leading dimensions are 32-bit
+        raise ValueError(f"linear: in_features = {K} and out_features = {N} must each be at "
+                         f"most {INT_MAX}")
 
     cdef const floating *x_ptr = &x[0, 0]
     cdef const floating *w_ptr = &weight[0, 0]

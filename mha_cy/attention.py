@@ -18,15 +18,32 @@ from ._threads import blas_single_threaded, kernel_threads
 __all__ = ["MultiHeadAttention", "scaled_dot_product_attention"]
 
 
+# BLAS takes 32-bit leading dimensions, and the row functions 32-bit key counts.
+_INT_MAX = 2 ** 31 - 1
+
+
 def _blas_operand(x):
     """A (B, H, L, D) view as the kernel needs it: last axis contiguous, non-negative strides
-    and rows (and heads) at least D elements apart, as BLAS leading dimensions must be.
+    and rows (and heads) at least D and at most 2**31 - 1 elements apart, as BLAS leading
+    dimensions must be (a larger stride would be truncated to 32 bits: wrong rows, silently).
     Views of a projection or a cache already are; anything else is copied."""
     item, d = x.itemsize, x.shape[3]
     s = x.strides
     ok = (s[3] == item and all(st >= 0 and st % item == 0 for st in s)
-          and (x.shape[2] <= 1 or s[2] >= d * item) and (x.shape[1] <= 1 or s[1] >= d * item))
+          and (x.shape[2] <= 1 or d * item <= s[2] <= _INT_MAX * item)
+          and (x.shape[1] <= 1 or d * item <= s[1] <= _INT_MAX * item))
     return x if ok else np.ascontiguousarray(x)
+
+
+def _check_32_bit_sizes(q, k, weights):
+    """What no copy can bring within BLAS's 32-bit arguments: refuse it, naming the size."""
+    if weights is not None and k.shape[2] > _INT_MAX:
+        raise ValueError(f"need_weights with {k.shape[2]} keys: at most {_INT_MAX} keys per "
+                         "row are supported (32-bit BLAS and row lengths)")
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[2] > 1 and x.strides[2] // x.itemsize > _INT_MAX:
+            raise ValueError(f"{name} has rows {x.strides[2] // x.itemsize} elements apart; "
+                             f"at most {_INT_MAX} are supported (32-bit BLAS)")
 
 
 def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
@@ -46,6 +63,7 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
 def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads):
     """out[...] = attention of q over k, v ((B, H, L, D) views as _blas_operand returns them),
     weights filled if given."""
+    _check_32_bit_sizes(q, k, weights)
     add, pad = _kernel_masks(attn_mask, key_padding_mask,
                              q.shape[:3] + (k.shape[2],), q.dtype)
     _attention_kernel.attention(q, k, v, out, add, pad, is_causal, scale, weights, n_threads)

@@ -137,16 +137,17 @@ def test_linear_bitwise_same_for_any_thread_count(rng, dtype, shape, tiling):
 
 
 @pytest.mark.parametrize("shape", [(128, 768, 2304), (4096, 768, 2304), (4096, 768, 768),
-                                   (16, 64, 192), (1, 1, 1), (3, 5, 10 ** 6)])
+                                   (16, 64, 192), (1, 1, 1), (3, 5, 10 ** 6), (2 ** 33, 8, 8)])
 def test_tile_grid_covers_and_is_bounded(shape):
     M, K, N = shape
     rows, cols = _linear_kernel.tile_grid(M, N, K)
     assert 1 <= rows <= M and 1 <= cols <= N
     assert (cols == N or cols % 16 == 0) and (rows == M or rows % 8 == 0)
+    assert rows <= 2 ** 20 and cols <= 2 ** 20          # BLAS's 32-bit sizes, whatever M
     n_tiles = -(-M // rows) * -(-N // cols)
     flops = 2.0 * M * N * K
     target = max(1, min(64, flops / 16e6))
-    assert target / 2 - 1 <= n_tiles <= 2 * target + 2      # near the target count
+    assert target / 2 - 1 <= n_tiles <= 2 * target + 2 or rows == 2 ** 20      # near the target count
 
 
 def test_linear_rejects_inconsistent_shapes():
