@@ -68,6 +68,25 @@ void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
                           const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
                           double *m, double *l, double *acc, double *work);
 
+/* The same without packing the keys (the direct kernel): for tasks of few rows (decode),
+ * where packing each key tile costs more than the scores it serves. Same arguments; work:
+ * mha_fused_scratch_*(d) elements too. Used for tasks of at most MHA_FUSED_DIRECT_MAX_ROWS
+ * rows (see the crossover above). */
+#define MHA_FUSED_DIRECT_MAX_ROWS 8
+void mha_fused_attend_direct_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
+                                 const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs,
+                                 int dv, ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
+                                 const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                                 const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                                 float *m, float *l, float *acc, float *work);
+void mha_fused_attend_direct_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
+                                 const double *k, ptrdiff_t k_rs, const double *v,
+                                 ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, ptrdiff_t k_end,
+                                 double scale, const double *add, ptrdiff_t add_rs,
+                                 ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+                                 ptrdiff_t limit_step, double *m, double *l, double *acc,
+                                 double *work);
+
 #ifdef __cplusplus
 }
 #endif
