@@ -151,6 +151,8 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
             case 1: BLOCK(1); break;
             case 2: BLOCK(2); break;
             case 3: BLOCK(3); break;
+            case 4: BLOCK(4); break;
+            case 5: BLOCK(5); break;
             default: BLOCK(RB); break;
             }
         }
@@ -302,15 +304,15 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
         int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
         ptrdiff_t after = k_end - j0 - nk;
         int nk_next = (int)(after < NK ? after : NK);
-        for (ptrdiff_t r = 0; r < rows; r += RB) {
+        for (ptrdiff_t r = 0; r < rows; r += DRB) {
             int left = (int)(rows - r);
-            if (limit + (r + (left < RB ? left : RB) - 1) * limit_step <= j0)
+            if (limit + (r + (left < DRB ? left : DRB) - 1) * limit_step <= j0)
                 continue;
-            switch (left < RB ? left : RB) {
+            switch (left < DRB ? left : DRB) {
             case 1: DBLOCK(1); break;
             case 2: DBLOCK(2); break;
             case 3: DBLOCK(3); break;
-            default: DBLOCK(RB); break;
+            default: DBLOCK(DRB); break;
             }
         }
     }
