@@ -31,6 +31,23 @@
  * below D = 256 (L = 64, D = 128: 7%, reproduced) is not worth a rule of its own. (Before the
  * build had -fno-trapping-math, the softmax's exp stayed scalar on AVX2 and the fused kernel
  * was 1.5-2.8x faster than BLAS at every D <= 256.) Not measured: AVX-512 machines.
+ *
+ * Direct variant (mha_fused_attend_direct_*, no packed keys; the rule: _fused_attend in
+ * _attention_kernel.pyx, tasks of <= MHA_FUSED_DIRECT_MAX_ROWS rows with D >=
+ * MHA_FUSED_DIRECT_MIN_HEAD_DIM, or of one row). Measured on the same Zen 1, 1 thread,
+ * float32, decode (2, 8 * rows, 1, D) over (2, 8, 2048, D) (one task per KV head, `rows`
+ * rows), ms, packed (blocks of 6 rows) / direct, same run, machine shared:
+ *   rows      D=8        D=16       D=24       D=32       D=48       D=64       D=128      D=256
+ *     1    0.64/0.58       -      1.18/0.82  1.32/0.92  2.30/1.84  2.99/2.54  5.89/4.27      -
+ *     2        -           -          -          -          -      2.82/2.15  6.71/5.69      -
+ *     4    1.45/1.74  1.11/1.24  2.18/2.14  2.15/1.65  2.69/1.99  3.61/2.41  8.24/4.43  20.2/13.3
+ *     8    2.62/3.27  1.78/2.26  3.64/3.94  2.85/2.89  5.48/5.25  4.80/4.29  11.2/7.49  25.1/18.5
+ *    16        -      3.04/4.24      -          -          -      7.42/7.90  14.8/13.5  33.4/28.8
+ * Below D = 32 the direct kernel's reduction (one per 8 scores, over d / 8 vectors) costs more
+ * than packing saves, except for one row; at 16 rows the two are even (the direct kernel reads
+ * the tile once per block of 4 rows). SDPA (4, 32, 1, 128) over (4, 8, 2048, 128), 2 threads
+ * (quiet machine): 8.8 ms packed -> 6.2 ms direct (10.8 GB/s; the read roof, ~24 GB/s, is not
+ * reached: the FMAs of the scores take one load each, 10 per 8 FMAs, gcc folds the q loads).
  */
 #ifndef MHA_ATTENTION_MICROKERNEL_H
 #define MHA_ATTENTION_MICROKERNEL_H
@@ -77,6 +94,7 @@ void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
  * mha_fused_scratch_*(d) elements too. Used for tasks of at most MHA_FUSED_DIRECT_MAX_ROWS
  * rows (see the crossover above). */
 #define MHA_FUSED_DIRECT_MAX_ROWS 8
+#define MHA_FUSED_DIRECT_MIN_HEAD_DIM 32   /* (tasks of one row: any head dim) */
 void mha_fused_attend_direct_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
                                  const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs,
                                  int dv, ptrdiff_t k_begin, ptrdiff_t k_end, float scale,

@@ -208,18 +208,29 @@ def fused_variant(request):
     """The fused kernel with tasks of <= 8 rows on its direct variant (no packed keys) or
     on the packed one."""
     previous_kernel = _attention_kernel._set_tile_kernel("fused")
-    previous_rows = _attention_kernel._set_fused_direct_rows(request.param)
+    previous = _attention_kernel._set_fused_direct(request.param, 0)   # at any head dim
     yield request.param
-    _attention_kernel._set_fused_direct_rows(previous_rows)
+    _attention_kernel._set_fused_direct(*previous)
     _attention_kernel._set_tile_kernel(previous_kernel)
 
 
-def test_set_fused_direct_rows_returns_the_previous_setting():
-    default = _attention_kernel._set_fused_direct_rows(3)
-    assert default == 8
-    assert _attention_kernel._set_fused_direct_rows(default) == 3
+def test_set_fused_direct_returns_the_previous_setting():
+    default = _attention_kernel._set_fused_direct(3, 0)
+    assert default == (8, 32)
+    assert _attention_kernel._set_fused_direct(*default) == (3, 0)
     with pytest.raises(ValueError):
-        _attention_kernel._set_fused_direct_rows(-1)
+        _attention_kernel._set_fused_direct(-1, 0)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("group", [1, 4])
+def test_direct_default_rule(rng, d, group):
+    """The default rule (direct for <= 8 rows at D >= 32 or for one row) gives right results
+    either side."""
+    q = normal(rng, (1, 2 * group, 1, d), np.float32)
+    k, v = normal(rng, (1, 2, 300, d), np.float32), normal(rng, (1, 2, 300, d), np.float32)
+    out, expected = sdpa_pair(q, k, v)
+    assert_close(out, expected, np.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
