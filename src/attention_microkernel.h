@@ -12,7 +12,7 @@
  * 6 rows x 16 keys = 12 ymm accumulators (no spills on AVX2) against 8 with blocks of 4 rows
  * measured (Zen 1, float32, SDPA, same run, 1 / 2 threads), blocks of 4 -> 6 rows:
  *   (1, 8, 4096, 64) causal          20.4 -> 26.0 / 41.0 -> 49.9 GFLOP/s
- *   (8, 12, 512, 64) padding mask    20.3 -> 25.8 GFLOP/s (1 thread; 2 threads: machine shared)
+ *   (8, 12, 512, 64) padding mask    20.6 -> 25.7 / 40.5 -> 50.9 GFLOP/s
  *
  * Crossover (the rule: _use_fused in _attention_kernel.pyx, fused up to head dims of
  * MHA_FUSED_MAX_HEAD_DIM). Measured on AMD EPYC (Zen 1, AVX2 clone, OpenBLAS 0.3.30 Haswell
@@ -45,9 +45,14 @@
  *    16        -      3.04/4.24      -          -          -      7.42/7.90  14.8/13.5  33.4/28.8
  * Below D = 32 the direct kernel's reduction (one per 8 scores, over d / 8 vectors) costs more
  * than packing saves, except for one row; at 16 rows the two are even (the direct kernel reads
- * the tile once per block of 4 rows). SDPA (4, 32, 1, 128) over (4, 8, 2048, 128), 2 threads
- * (quiet machine): 8.8 ms packed -> 6.2 ms direct (10.8 GB/s; the read roof, ~24 GB/s, is not
- * reached: the FMAs of the scores take one load each, 10 per 8 FMAs, gcc folds the q loads).
+ * the tile once per block of 4 rows; score blocks of up to 8 rows x 1 key measured no better
+ * for 5..8 rows). SDPA, 2 threads, before (packed, blocks of 4 rows) -> now, ms (GB/s of K+V):
+ *   (4, 32, 1, 128) over (4, 8, 2048, 128)      8.02 (8.4) -> 5.24 (12.8)
+ *   (1, 32, 1, 128) over (1, 8, 8192, 128)      8.20 (8.2) -> 4.75 (14.1)
+ *   (1, 8, 1, 128) over (1, 1, 32768, 128)      5.81 (5.8) -> 4.00 (8.4)   (split-K)
+ * The read roof (~24 GB/s) is not reached: the kernel is compute bound (as fast from L2:
+ * ~136 ns of CPU per key per 4-row task); the FMAs of the scores take one load each (10 per
+ * 8 FMAs: gcc folds the q loads into them) and Zen 1 loads one 256-bit vector per cycle.
  */
 #ifndef MHA_ATTENTION_MICROKERNEL_H
 #define MHA_ATTENTION_MICROKERNEL_H
