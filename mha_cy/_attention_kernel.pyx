@@ -62,6 +62,24 @@ cdef extern from "attention_microkernel.h" nogil:
                               Py_ssize_t add_ks, const unsigned char *pad, Py_ssize_t limit,
                               Py_ssize_t limit_step, double *m, double *l, double *acc,
                               double *work)
+    int MHA_FUSED_DIRECT_MAX_ROWS
+    int MHA_FUSED_DIRECT_MIN_HEAD_DIM
+    void mha_fused_attend_direct_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                                     const float *k, Py_ssize_t k_rs, const float *v,
+                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
+                                     Py_ssize_t k_end, float scale, const float *add,
+                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, float *m, float *l, float *acc,
+                                     float *work)
+    void mha_fused_attend_direct_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
+                                     const double *k, Py_ssize_t k_rs, const double *v,
+                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
+                                     Py_ssize_t k_end, double scale, const double *add,
+                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, double *m, double *l, double *acc,
+                                     double *work)
 
 # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
 cdef double MIN_FLOPS_PER_THREAD = 1e6
@@ -81,6 +99,11 @@ cdef enum TileKernel:
     TILE_AUTO, TILE_FUSED, TILE_BLAS
 cdef TileKernel TILE_KERNEL = TILE_AUTO
 _TILE_KERNEL_NAMES = {"auto": TILE_AUTO, "fused": TILE_FUSED, "blas": TILE_BLAS}
+# Tasks of at most FUSED_DIRECT_ROWS rows run the fused kernel's direct variant (no packed
+# keys, see attention_microkernel.h) when they have one row or head dims of at least
+# FUSED_DIRECT_MIN_D; changed only by _set_fused_direct (tests, measurements).
+cdef Py_ssize_t FUSED_DIRECT_ROWS = MHA_FUSED_DIRECT_MAX_ROWS
+cdef Py_ssize_t FUSED_DIRECT_MIN_D = MHA_FUSED_DIRECT_MIN_HEAD_DIM
 
 
 cdef struct Problem:
@@ -211,6 +234,19 @@ cdef inline void _fused_attend(const Problem *p, const Task *task, floating scal
     cdef Py_ssize_t limit = k_end, step = 0
     if p.causal:
         limit, step = task.i0 + p.causal_offset + 1, task.di
+    # a rule of the shapes: thread-count invariant
+    if task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1 or p.d >= FUSED_DIRECT_MIN_D):
+        if floating is float:
+            mha_fused_attend_direct_f32(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl,
+                                        v0, p.vl, <int> p.dv, k_begin, k_end, scale, m0,
+                                        task.m_rs, p.mk, pad_row, limit, step, row_max,
+                                        row_sum, acc, work)
+        else:
+            mha_fused_attend_direct_f64(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl,
+                                        v0, p.vl, <int> p.dv, k_begin, k_end, scale, m0,
+                                        task.m_rs, p.mk, pad_row, limit, step, row_max,
+                                        row_sum, acc, work)
+        return
     if floating is float:
         mha_fused_attend_f32(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl, v0, p.vl,
                              <int> p.dv, k_begin, k_end, scale, m0, task.m_rs, p.mk, pad_row,
@@ -516,4 +552,15 @@ def _set_tile_kernel(name):
         raise ValueError(f"tile kernel must be one of {sorted(_TILE_KERNEL_NAMES)}; got {name!r}")
     previous = next(n for n, k in _TILE_KERNEL_NAMES.items() if k == TILE_KERNEL)
     TILE_KERNEL = _TILE_KERNEL_NAMES[name]
+    return previous
+
+
+def _set_fused_direct(rows, min_head_dim):
+    """Tasks of at most `rows` rows (0: none) with one row or head dims >= min_head_dim run
+    the fused kernel's direct variant; return the previous (rows, min_head_dim)."""
+    global FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D
+    if rows < 0 or min_head_dim < 0:
+        raise ValueError(f"rows and min_head_dim must be >= 0; got {rows}, {min_head_dim}")
+    previous = (FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D)
+    FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D = rows, min_head_dim
     return previous

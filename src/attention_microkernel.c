@@ -9,7 +9,10 @@
 
 /* The masks and the online softmax of a row are attention_tile.c's, shared with the BLAS
  * path (the same mask and NaN semantics). */
-#define RB 4           /* query rows per register block */
+#define RB 6           /* query rows per register block of the packed kernel: 6 x 2 vectors of
+                          sums, 12 of the 16 ymm registers on AVX2 */
+#define DRB 4          /* query rows per block of the direct kernel (at most the lanes of a
+                          256-bit vector of doubles) */
 
 #define REAL float
 #define SUFFIX f32

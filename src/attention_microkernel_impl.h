@@ -23,6 +23,7 @@ typedef REAL VEC __attribute__((vector_size(W * sizeof(REAL)), aligned(sizeof(RE
 
 ptrdiff_t FN(mha_fused_scratch_)(int d)
 {
+    /* the packed tile and the scores; the direct kernel needs only the scores */
     return (ptrdiff_t)(d > 0 ? d : 1) * NK + RB * NK;
 }
 
@@ -150,6 +151,8 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
             case 1: BLOCK(1); break;
             case 2: BLOCK(2); break;
             case 3: BLOCK(3); break;
+            case 4: BLOCK(4); break;
+            case 5: BLOCK(5); break;
             default: BLOCK(RB); break;
             }
         }
@@ -157,6 +160,165 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
 }
 
 #undef BLOCK
+
+/* ---- The direct kernel (few rows: decode) ------------------------------------------------
+ * No packing: the scores are dot products over d on the K rows as they lie in memory, in
+ * blocks of R rows x KB = W / R keys whose W vectors of partial sums are reduced together by
+ * one shuffle tree (lane i of the result = the sum of vector i), so a reduction costs about
+ * 2 vector operations per score instead of a horizontal sum each. Each K row is loaded once
+ * per block of R <= 4 rows. Then the same row softmax and P V as the packed kernel. */
+
+#if W == 8
+typedef int FN(mask_) __attribute__((vector_size(W * sizeof(REAL))));
+/* [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] (vhaddps) */
+static inline VEC FN(hadd_)(VEC a, VEC b)
+{
+    return __builtin_shuffle(a, b, (FN(mask_)){0, 2, 8, 10, 4, 6, 12, 14})
+         + __builtin_shuffle(a, b, (FN(mask_)){1, 3, 9, 11, 5, 7, 13, 15});
+}
+/* lane i = sum of the lanes of v[i] */
+static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
+{
+    VEC f = FN(hadd_)(FN(hadd_)(v[0], v[1]), FN(hadd_)(v[2], v[3]));
+    VEC g = FN(hadd_)(FN(hadd_)(v[4], v[5]), FN(hadd_)(v[6], v[7]));
+    return __builtin_shuffle(f, g, (FN(mask_)){0, 1, 2, 3, 8, 9, 10, 11})
+         + __builtin_shuffle(f, g, (FN(mask_)){4, 5, 6, 7, 12, 13, 14, 15});
+}
+#elif W == 4
+typedef long long FN(mask_) __attribute__((vector_size(W * sizeof(REAL))));
+/* [a0+a1, b0+b1 | a2+a3, b2+b3] (vhaddpd) */
+static inline VEC FN(hadd_)(VEC a, VEC b)
+{
+    return __builtin_shuffle(a, b, (FN(mask_)){0, 4, 2, 6})
+         + __builtin_shuffle(a, b, (FN(mask_)){1, 5, 3, 7});
+}
+static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
+{
+    VEC f = FN(hadd_)(v[0], v[1]), g = FN(hadd_)(v[2], v[3]);
+    return __builtin_shuffle(f, g, (FN(mask_)){0, 1, 4, 5})
+         + __builtin_shuffle(f, g, (FN(mask_)){2, 3, 6, 7});
+}
+#else
+#error "the direct kernel's reduction is written for vectors of 4 or 8 lanes"
+#endif
+
+/* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
+static inline void FN(prefetch_row_)(const REAL *x, int n)
+{
+    for (ptrdiff_t e = 0; e < n; e += 64 / (ptrdiff_t)sizeof(REAL))
+        __builtin_prefetch(x + e);
+    __builtin_prefetch(x + n - 1);
+}
+
+/* Also, with pf_v != NULL, prefetch the V rows of the tile (pf_v + c * v_rs, dv values) and
+ * the K rows of the next one (the first nk_next rows from k + NK * k_rs): the memory is
+ * streamed once, and latency, not bandwidth, limited one thread without it. */
+static inline __attribute__((always_inline)) void
+FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
+                   ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
+                   ptrdiff_t v_rs, int dv, int nk_next)
+{
+    const int KB = W / R;
+    const ptrdiff_t dvec = (ptrdiff_t)d / W * W;
+    for (ptrdiff_t c = 0; c < nk; c += KB) {
+        const REAL *kr[W];
+        for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
+            kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
+        if (pf_v != NULL)
+            for (int u = 0; u < KB && c + u < nk; u++) {
+                FN(prefetch_row_)(pf_v + (c + u) * v_rs, dv);
+                if (c + u < nk_next)
+                    FN(prefetch_row_)(k + (NK + c + u) * k_rs, d);
+            }
+        VEC a[W];
+        for (int i = 0; i < W; i++)
+            a[i] = (VEC){0};
+        for (ptrdiff_t p = 0; p < dvec; p += W) {
+            VEC kv[W];
+            for (int u = 0; u < KB; u++)
+                kv[u] = *(const VEC *)(kr[u] + p);
+            for (int i = 0; i < R; i++) {
+                VEC qv = *(const VEC *)(q + i * q_rs + p);
+                for (int u = 0; u < KB; u++)
+                    a[i * KB + u] += qv * kv[u];
+            }
+        }
+        VEC t = FN(reduce_)(a);
+        if (dvec < d)
+            for (int i = 0; i < R; i++)
+                for (int u = 0; u < KB; u++) {
+                    REAL x = 0;
+                    for (ptrdiff_t p = dvec; p < d; p++)
+                        x += q[i * q_rs + p] * kr[u][p];
+                    t[i * KB + u] += x;
+                }
+        t *= scale;
+        int left = (int)(nk - c < KB ? nk - c : KB);
+        for (int i = 0; i < R; i++)
+            for (int u = 0; u < left; u++)
+                s[i * NK + c + u] = t[i * KB + u];
+    }
+}
+
+static inline __attribute__((always_inline)) void
+FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
+                  ptrdiff_t k_rs, int nk, const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0,
+                  REAL scale, const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                  const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step, REAL *m,
+                  REAL *l, REAL *acc, REAL *s, int prefetch, int nk_next)
+{
+    FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
+                       prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
+    for (int i = 0; i < M; i++) {
+        ptrdiff_t n_valid = limit + i * limit_step - j0;
+        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
+        SOFTMAX_ROW(s + i * NK, nk, add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                    pad == NULL ? NULL : pad + j0, (int)n_valid, m + i, l + i, acc + i * dv,
+                    dv);
+    }
+    const REAL *vt = v + j0 * v_rs;
+    ptrdiff_t e = 0;
+    for (; e + VL <= dv; e += VL)
+        FN(pv_cols_)(M, s, nk, vt, v_rs, acc, dv, e);
+    if (e < dv)
+        FN(pv_tail_)(M, s, nk, vt, v_rs, acc, dv, e);
+}
+
+#define DBLOCK(M)                                                                            \
+    FN(direct_block_)((M), q + r * q_rs, q_rs, d, k, k_rs, nk, v, v_rs, dv, j0, scale,      \
+                      add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,            \
+                      limit + r * limit_step, limit_step, m + r, l + r, acc + r * dv, s,   \
+                      r == 0, nk_next)
+
+MHA_SIMD_CLONES
+void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
+                                  const REAL *k, ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs,
+                                  int dv, ptrdiff_t k_begin, ptrdiff_t k_end, REAL scale,
+                                  const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                                  const unsigned char *pad, ptrdiff_t limit,
+                                  ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc,
+                                  REAL *work)
+{
+    REAL *s = work;
+    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK) {
+        int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
+        ptrdiff_t after = k_end - j0 - nk;
+        int nk_next = (int)(after < NK ? after : NK);
+        for (ptrdiff_t r = 0; r < rows; r += DRB) {
+            int left = (int)(rows - r);
+            if (limit + (r + (left < DRB ? left : DRB) - 1) * limit_step <= j0)
+                continue;
+            switch (left < DRB ? left : DRB) {
+            case 1: DBLOCK(1); break;
+            case 2: DBLOCK(2); break;
+            case 3: DBLOCK(3); break;
+            default: DBLOCK(DRB); break;
+            }
+        }
+    }
+}
+
+#undef DBLOCK
 #undef VEC
 #undef W
 #undef NK

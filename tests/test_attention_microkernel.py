@@ -201,3 +201,113 @@ def test_threads_bitwise_equal(rng, fused, dtype, case):
     assert_close(results[0], reference.scaled_dot_product_attention(q, k, v, **kwargs), dtype)
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
+
+
+@pytest.fixture(params=[0, 8], ids=["packed", "direct"])
+def fused_variant(request):
+    """The fused kernel with tasks of <= 8 rows on its direct variant (no packed keys) or
+    on the packed one."""
+    previous_kernel = _attention_kernel._set_tile_kernel("fused")
+    previous = _attention_kernel._set_fused_direct(request.param, 0)   # at any head dim
+    yield request.param
+    _attention_kernel._set_fused_direct(*previous)
+    _attention_kernel._set_tile_kernel(previous_kernel)
+
+
+def test_set_fused_direct_returns_the_previous_setting():
+    default = _attention_kernel._set_fused_direct(3, 0)
+    assert default == (8, 32)
+    assert _attention_kernel._set_fused_direct(*default) == (3, 0)
+    with pytest.raises(ValueError):
+        _attention_kernel._set_fused_direct(-1, 0)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("group", [1, 4])
+def test_direct_default_rule(rng, d, group):
+    """The default rule (direct for <= 8 rows at D >= 32 or for one row) gives right results
+    either side."""
+    q = normal(rng, (1, 2 * group, 1, d), np.float32)
+    k, v = normal(rng, (1, 2, 300, d), np.float32), normal(rng, (1, 2, 300, d), np.float32)
+    out, expected = sdpa_pair(q, k, v)
+    assert_close(out, expected, np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 7, 64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_direct_decode_rows(rng, fused_variant, dtype, d, group):
+    """Decode with groups of 1..8 query heads (the task's rows: row blocks of 1..4 and keys
+    per score block 8 / rows), 141 keys (two full tiles and a partial one, a partial score
+    block), a boolean mask hiding keys inside tiles and key padding at both ends."""
+    kv_heads, k_len = 2, 141
+    q = normal(rng, (2, kv_heads * group, 1, d), dtype)
+    k, v = normal(rng, (2, kv_heads, k_len, d), dtype), normal(rng, (2, kv_heads, k_len, d), dtype)
+    mask = rng.random((2, 1, 1, k_len)) < 0.8
+    mask[0, ..., :3] = mask[1, ..., 130:] = False
+    out, expected = sdpa_pair(q, k, v, attn_mask=mask)
+    assert_close(out, expected, dtype)
+    out, expected = sdpa_pair(q, k, v)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 7, 64, 128, 256])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_direct_few_query_rows(rng, fused_variant, dtype, d, q_len, is_causal):
+    """Lq = 1..8 query rows (one task of Lq rows) over 150 keys: causal with Lq != Lk puts
+    the diagonal in the last tile; an additive mask with -inf, broadcast over heads."""
+    k_len = 150
+    q = normal(rng, (2, 3, q_len, d), dtype)
+    k, v = normal(rng, (2, 3, k_len, d), dtype), normal(rng, (2, 3, k_len, d), dtype)
+    mask = rng.standard_normal((2, 1, q_len, k_len)).astype(dtype)
+    mask[rng.random(mask.shape) < 0.2] = -np.inf
+    out, expected = sdpa_pair(q, k, v, attn_mask=mask, is_causal=is_causal)
+    assert_close(out, expected, dtype)
+    out, expected = sdpa_pair(q, k, v, is_causal=is_causal)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_direct_padding_nan_and_fully_masked(rng, fused_variant, dtype):
+    """Key padding (a fully padded sequence gives zeros), and a NaN key: the rows that see it
+    are NaN, the others right."""
+    b, h, k_len, d = 3, 4, 200, 40
+    q = normal(rng, (b, h, 3, d), dtype)
+    k, v = normal(rng, (b, 1, k_len, d), dtype), normal(rng, (b, 1, k_len, d), dtype)
+    pad = np.ones((b, 1, 1, k_len), bool)
+    pad[0, ..., 150:] = False
+    pad[1] = False
+    out, expected = sdpa_pair(q, k, v, attn_mask=pad)
+    assert_close(out, expected, dtype)
+    np.testing.assert_array_equal(out[1], 0)
+    k[2, 0, 120, 5] = np.nan
+    out, expected = sdpa_pair(q, k, v, is_causal=True)
+    sees = np.zeros(out.shape[:3], bool)
+    sees[2] = True                         # rows i see keys <= i + 197 >= 120
+    np.testing.assert_array_equal(np.isnan(out).any(-1), sees)
+    assert_close(out[~sees], expected[~sees], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["gqa", "mqa_split_k", "few_rows_causal"])
+def test_direct_threads_bitwise_equal(rng, fused_variant, dtype, case):
+    kwargs = {}
+    if case == "gqa":
+        q = normal(rng, (2, 12, 1, 128), dtype)
+        k, v = normal(rng, (2, 2, 900, 128), dtype), normal(rng, (2, 2, 900, 128), dtype)
+    elif case == "mqa_split_k":
+        q = normal(rng, (1, 8, 1, 64), dtype)
+        k, v = normal(rng, (1, 1, 6000, 64), dtype), normal(rng, (1, 1, 6000, 64), dtype)
+    else:
+        q = normal(rng, (2, 2, 5, 72), dtype)
+        k, v = normal(rng, (2, 2, 333, 72), dtype), normal(rng, (2, 2, 333, 72), dtype)
+        kwargs["is_causal"] = True
+    results = []
+    for n_threads in (1, 2, 3):
+        with mha_cy.threads(n_threads):
+            results.append(mha_cy.scaled_dot_product_attention(q, k, v, **kwargs))
+    assert_close(results[0], reference.scaled_dot_product_attention(q, k, v, **kwargs), dtype)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
