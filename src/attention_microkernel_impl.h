@@ -100,14 +100,15 @@ static inline void FN(pv_tail_)(int M, const REAL *s, int nk, const REAL *v, ptr
                 acc[i * dv + e] += s[i * NK + j] * v[j * v_rs + e];
 }
 
-/* One block of M rows against the packed tile of keys [j0, j0 + nk). */
+/* What every block does once its M rows of scores for keys [j0, j0 + nk) are in s: per row
+ * the masks and the online softmax (attention_tile.c: the same mask and NaN semantics as the
+ * BLAS path), then acc += P V over the tile's rows of V. */
 static inline __attribute__((always_inline)) void
-FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, int nk, int nkp,
-           const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0, REAL scale,
-           const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
-           ptrdiff_t limit, ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc, REAL *s)
+FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, int dv,
+                    ptrdiff_t j0, const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                    const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                    REAL *m, REAL *l, REAL *acc)
 {
-    FN(scores_block_)(M, q, q_rs, d, kt, nkp, scale, s);
     for (int i = 0; i < M; i++) {
         ptrdiff_t n_valid = limit + i * limit_step - j0;
         n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
@@ -121,6 +122,18 @@ FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, in
         FN(pv_cols_)(M, s, nk, vt, v_rs, acc, dv, e);
     if (e < dv)
         FN(pv_tail_)(M, s, nk, vt, v_rs, acc, dv, e);
+}
+
+/* One block of M rows against the packed tile of keys [j0, j0 + nk). */
+static inline __attribute__((always_inline)) void
+FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, int nk, int nkp,
+           const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0, REAL scale,
+           const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
+           ptrdiff_t limit, ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc, REAL *s)
+{
+    FN(scores_block_)(M, q, q_rs, d, kt, nkp, scale, s);
+    FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
+                        limit_step, m, l, acc);
 }
 
 #define BLOCK(M)                                                                             \
@@ -269,19 +282,8 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
 {
     FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
                        prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
-    for (int i = 0; i < M; i++) {
-        ptrdiff_t n_valid = limit + i * limit_step - j0;
-        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
-        SOFTMAX_ROW(s + i * NK, nk, add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                    pad == NULL ? NULL : pad + j0, (int)n_valid, m + i, l + i, acc + i * dv,
-                    dv);
-    }
-    const REAL *vt = v + j0 * v_rs;
-    ptrdiff_t e = 0;
-    for (; e + VL <= dv; e += VL)
-        FN(pv_cols_)(M, s, nk, vt, v_rs, acc, dv, e);
-    if (e < dv)
-        FN(pv_tail_)(M, s, nk, vt, v_rs, acc, dv, e);
+    FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
+                        limit_step, m, l, acc);
 }
 
 #define DBLOCK(M)                                                                            \
