@@ -6,6 +6,8 @@ Layout of the package (one job per file):
   _module.py              what both share: parameters, argument checks, KV-cache bookkeeping
   _checks.py              argument validation (errors name the argument, expected and actual)
   _cache.py               KVCache, the preallocated keys/values of incremental decoding
+  _call_plan.py           CachePlan: one cached call's per-sequence positions (ragged batches)
+  _window.py              the sliding window's argument checks
   _linear_kernel.pyx      the projections (x @ W.T + b), shape-fixed tiles over OpenMP threads
   _attention_kernel.pyx   attention tasks over OpenMP threads: fused C tiles (BLAS for head
                           dims > 256), online softmax, split-K

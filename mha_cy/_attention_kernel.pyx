@@ -33,15 +33,15 @@ from ._cython_blas cimport _gemm, NoTrans, Trans
 
 cdef extern from "attention_tile.h" nogil:
     void mha_online_softmax_row_f32(float *s, int n, const float *add, Py_ssize_t add_stride,
-                                    const unsigned char *pad, int n_valid,
+                                    const unsigned char *pad, int n_skip, int n_valid,
                                     float *m, float *l, float *acc, int dv)
     void mha_online_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
-                                    const unsigned char *pad, int n_valid,
+                                    const unsigned char *pad, int n_skip, int n_valid,
                                     double *m, double *l, double *acc, int dv)
     void mha_softmax_row_f32(float *s, int n, const float *add, Py_ssize_t add_stride,
-                             const unsigned char *pad, int n_valid)
+                             const unsigned char *pad, int n_skip, int n_valid)
     void mha_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
-                             const unsigned char *pad, int n_valid)
+                             const unsigned char *pad, int n_skip, int n_valid)
     void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
     void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
 
@@ -54,14 +54,15 @@ cdef extern from "attention_microkernel.h" nogil:
                               int dv, Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
                               const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
                               const unsigned char *pad, Py_ssize_t limit, Py_ssize_t limit_step,
+                              Py_ssize_t window,
                               float *m, float *l, float *acc, float *work)
     void mha_fused_attend_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
                               const double *k, Py_ssize_t k_rs, const double *v,
                               Py_ssize_t v_rs, int dv, Py_ssize_t k_begin, Py_ssize_t k_end,
                               double scale, const double *add, Py_ssize_t add_rs,
                               Py_ssize_t add_ks, const unsigned char *pad, Py_ssize_t limit,
-                              Py_ssize_t limit_step, double *m, double *l, double *acc,
-                              double *work)
+                              Py_ssize_t limit_step, Py_ssize_t window, double *m, double *l,
+                              double *acc, double *work)
     int MHA_FUSED_DIRECT_MAX_ROWS
     int MHA_FUSED_DIRECT_MIN_HEAD_DIM
     void mha_fused_attend_direct_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
@@ -70,16 +71,16 @@ cdef extern from "attention_microkernel.h" nogil:
                                      Py_ssize_t k_end, float scale, const float *add,
                                      Py_ssize_t add_rs, Py_ssize_t add_ks,
                                      const unsigned char *pad, Py_ssize_t limit,
-                                     Py_ssize_t limit_step, float *m, float *l, float *acc,
-                                     float *work)
+                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
+                                     float *l, float *acc, float *work)
     void mha_fused_attend_direct_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
                                      const double *k, Py_ssize_t k_rs, const double *v,
                                      Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
                                      Py_ssize_t k_end, double scale, const double *add,
                                      Py_ssize_t add_rs, Py_ssize_t add_ks,
                                      const unsigned char *pad, Py_ssize_t limit,
-                                     Py_ssize_t limit_step, double *m, double *l, double *acc,
-                                     double *work)
+                                     Py_ssize_t limit_step, Py_ssize_t window, double *m,
+                                     double *l, double *acc, double *work)
 
 # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
 cdef double MIN_FLOPS_PER_THREAD = 1e6
@@ -115,6 +116,13 @@ cdef struct Problem:
     const unsigned char *pad      # key padding (B, Lk), nonzero = ignore the key; or NULL
     bint causal
     Py_ssize_t causal_offset      # Lk - Lq: query i sees keys j <= i + causal_offset
+    Py_ssize_t window             # > 0 (causal only): and keys j > i + causal_offset - window
+    # ragged batches (a cache whose sequences have different lengths), or NULL: sequence b
+    # has q_lens[b] query rows (rows past it are left alone), k_lens[b] keys and its own
+    # causal offset offsets[b]
+    const Py_ssize_t *q_lens
+    const Py_ssize_t *k_lens
+    const Py_ssize_t *offsets
     bint heads_as_rows            # decode tasks (see module docstring)
     Py_ssize_t block_q, block_k   # query rows per normal task, keys per score tile
     Py_ssize_t q_blocks           # query blocks per (batch, head) in normal tasks
@@ -129,9 +137,14 @@ cdef struct Task:
     Py_ssize_t q_rs, o_rs, w_rs, m_rs
 
 
+cdef inline Py_ssize_t _offset(const Problem *p, Py_ssize_t b) noexcept nogil:
+    """The causal offset of sequence b: its query i sees keys j <= i + offset."""
+    return p.causal_offset if p.offsets == NULL else p.offsets[b]
+
+
 cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogil:
     """Which rows task t covers, where they are, and which keys they may look at."""
-    cdef Py_ssize_t rem, last_i
+    cdef Py_ssize_t rem, last_i, k_len, offset
     cdef const unsigned char *pad_row
     if p.heads_as_rows:
         task.b = t // p.kv_heads
@@ -150,10 +163,22 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
         task.dh = 0
         task.di = 1
         task.kv_head = task.h0 // p.group
-    task.k_begin, task.k_end = 0, p.k_len
+    k_len = p.k_len
+    if p.q_lens != NULL:      # a ragged batch: this sequence's rows and keys only
+        if p.heads_as_rows:   # (rows are heads of its one query)
+            task.rows = task.rows if p.q_lens[task.b] > 0 else 0
+        else:
+            task.rows = max(<Py_ssize_t> 0, min(task.rows, p.q_lens[task.b] - task.i0))
+        k_len = p.k_lens[task.b]
+    task.k_begin, task.k_end = 0, k_len
     if p.causal:
+        offset = _offset(p, task.b)
         last_i = task.i0 + (task.rows - 1) * task.di
-        task.k_end = max(<Py_ssize_t> 0, min(p.k_len, last_i + p.causal_offset + 1))
+        task.k_end = max(<Py_ssize_t> 0, min(k_len, last_i + offset + 1))
+        if p.window > 0:      # keys before the first row's window: skipped, never read
+            task.k_begin = min(task.k_end, max(<Py_ssize_t> 0, task.i0 + offset + 1 - p.window))
+    if task.rows == 0:
+        task.k_begin = task.k_end = 0
     if p.pad != NULL:     # padded keys at either end (right- or left-padded batches): skip them
         pad_row = p.pad + task.b * p.pb
         while task.k_end > 0 and pad_row[task.k_end - 1]:
@@ -181,28 +206,38 @@ cdef inline Py_ssize_t _n_valid(const Problem *p, const Task *task, Py_ssize_t r
     """Keys of the tile starting at key j0 that row r may see (the causal limit)."""
     if not p.causal:
         return n
-    return max(<Py_ssize_t> 0, min(n, task.i0 + r * task.di + p.causal_offset + 1 - j0))
+    return max(<Py_ssize_t> 0,
+               min(n, task.i0 + r * task.di + _offset(p, task.b) + 1 - j0))
+
+
+cdef inline Py_ssize_t _n_skip(const Problem *p, const Task *task, Py_ssize_t r,
+                               Py_ssize_t j0, Py_ssize_t n) noexcept nogil:
+    """Keys at the start of the tile at j0 before row r's sliding window (0 without one)."""
+    if p.window <= 0:
+        return 0
+    return max(<Py_ssize_t> 0,
+               min(n, task.i0 + r * task.di + _offset(p, task.b) + 1 - p.window - j0))
 
 
 cdef inline void _row_softmax_online(floating *s, Py_ssize_t n, const floating *add,
                                      Py_ssize_t add_stride, const unsigned char *pad,
-                                     Py_ssize_t n_valid, floating *m, floating *l,
-                                     floating *acc, Py_ssize_t dv) noexcept nogil:
+                                     Py_ssize_t n_skip, Py_ssize_t n_valid, floating *m,
+                                     floating *l, floating *acc, Py_ssize_t dv) noexcept nogil:
     if floating is float:
-        mha_online_softmax_row_f32(s, <int> n, add, add_stride, pad, <int> n_valid, m, l, acc,
-                                   <int> dv)
+        mha_online_softmax_row_f32(s, <int> n, add, add_stride, pad, <int> n_skip,
+                                   <int> n_valid, m, l, acc, <int> dv)
     else:
-        mha_online_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_valid, m, l, acc,
-                                   <int> dv)
+        mha_online_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_skip,
+                                   <int> n_valid, m, l, acc, <int> dv)
 
 
 cdef inline void _row_softmax(floating *s, Py_ssize_t n, const floating *add,
                               Py_ssize_t add_stride, const unsigned char *pad,
-                              Py_ssize_t n_valid) noexcept nogil:
+                              Py_ssize_t n_skip, Py_ssize_t n_valid) noexcept nogil:
     if floating is float:
-        mha_softmax_row_f32(s, <int> n, add, add_stride, pad, <int> n_valid)
+        mha_softmax_row_f32(s, <int> n, add, add_stride, pad, <int> n_skip, <int> n_valid)
     else:
-        mha_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_valid)
+        mha_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_skip, <int> n_valid)
 
 
 cdef inline void _row_finish(const floating *acc, floating l, floating *out,
@@ -230,31 +265,32 @@ cdef inline void _fused_attend(const Problem *p, const Task *task, floating scal
                                floating *row_max, floating *row_sum,
                                floating *work) noexcept nogil:
     """The keys [k_begin, k_end) of the task's rows with the fused tile kernel."""
-    # the causal limit of _n_valid: row r sees keys j < limit + r * step
+    # the causal limit of _n_valid: row r sees keys j < limit + r * step (and, with a
+    # window, j >= limit + r * step - window)
     cdef Py_ssize_t limit = k_end, step = 0
     if p.causal:
-        limit, step = task.i0 + p.causal_offset + 1, task.di
+        limit, step = task.i0 + _offset(p, task.b) + 1, task.di
     # a rule of the shapes: thread-count invariant
     if task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1 or p.d >= FUSED_DIRECT_MIN_D):
         if floating is float:
             mha_fused_attend_direct_f32(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl,
                                         v0, p.vl, <int> p.dv, k_begin, k_end, scale, m0,
-                                        task.m_rs, p.mk, pad_row, limit, step, row_max,
-                                        row_sum, acc, work)
+                                        task.m_rs, p.mk, pad_row, limit, step, p.window,
+                                        row_max, row_sum, acc, work)
         else:
             mha_fused_attend_direct_f64(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl,
                                         v0, p.vl, <int> p.dv, k_begin, k_end, scale, m0,
-                                        task.m_rs, p.mk, pad_row, limit, step, row_max,
-                                        row_sum, acc, work)
+                                        task.m_rs, p.mk, pad_row, limit, step, p.window,
+                                        row_max, row_sum, acc, work)
         return
     if floating is float:
         mha_fused_attend_f32(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl, v0, p.vl,
                              <int> p.dv, k_begin, k_end, scale, m0, task.m_rs, p.mk, pad_row,
-                             limit, step, row_max, row_sum, acc, work)
+                             limit, step, p.window, row_max, row_sum, acc, work)
     else:
         mha_fused_attend_f64(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl, v0, p.vl,
                              <int> p.dv, k_begin, k_end, scale, m0, task.m_rs, p.mk, pad_row,
-                             limit, step, row_max, row_sum, acc, work)
+                             limit, step, p.window, row_max, row_sum, acc, work)
 
 
 cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, floating scale,
@@ -300,7 +336,7 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
             _row_softmax_online(scores + r * p.block_k, nk,
                                 NULL if m0 == NULL else m0 + r * task.m_rs + j0 * p.mk, p.mk,
                                 NULL if pad_row == NULL else pad_row + j0,
-                                _n_valid(p, &task, r, j0, nk),
+                                _n_skip(p, &task, r, j0, nk), _n_valid(p, &task, r, j0, nk),
                                 &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
         _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <floating> 1, scores,
               <int> p.block_k, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
@@ -377,7 +413,8 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
           k0 + kb * p.kl, <int> p.kl, <floating> 0, w0, <int> w_rs)
     for r in range(task.rows):
         _row_softmax(w0 + r * w_rs, n, NULL if m0 == NULL else m0 + r * m_rs + kb * p.mk, p.mk,
-                     NULL if pad_row == NULL else pad_row + kb, _n_valid(p, &task, r, kb, n))
+                     NULL if pad_row == NULL else pad_row + kb, _n_skip(p, &task, r, kb, n),
+                     _n_valid(p, &task, r, kb, n))
     _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> n, <floating> 1, w0,
           <int> w_rs, v0 + kb * p.vl, <int> p.vl, <floating> 0, o0, <int> o_rs)
 
@@ -405,7 +442,8 @@ cdef inline int _team(int n_threads, Py_ssize_t n_tasks, double flops) noexcept:
 
 def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
               const floating[:, :, :, :] v, floating[:, :, :, :] out,
-              mask, pad, bint causal, floating scale, weights, int n_threads):
+              mask, pad, bint causal, floating scale, weights, int n_threads,
+              Py_ssize_t window=0, ragged=None):
     """out := softmax(scale * q k^T + mask) v per (batch, head), in place.
 
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv): strided views
@@ -414,6 +452,10 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     dtype, broadcast with zero strides. pad: None or uint8 (B, Lk), nonzero = ignore the key.
     causal: query i sees keys j <= i + Lk - Lq. weights: None or a contiguous (B, Hq, Lq, Lk)
     array that receives the attention weights. n_threads: OpenMP threads (>= 1).
+    window: > 0 (with causal): query i sees only keys i + Lk - Lq - window < j <= i + Lk - Lq;
+    key tiles outside every row's window are never read. ragged: None or an intp (3, B) array
+    of each sequence's query rows, keys and causal offset (a ragged cache batch): sequence b
+    then reads only its first keys, and its query rows past its count are not written.
     """
     cdef Problem p
     cdef Py_ssize_t isz = sizeof(floating)
@@ -433,6 +475,16 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
                         _elem(out.strides[2], isz))
     p.causal = causal
     p.causal_offset = p.k_len - p.q_len
+    p.window = window if causal else 0
+    cdef const Py_ssize_t[:, ::1] ragged_view
+    p.q_lens = p.k_lens = p.offsets = NULL
+    if ragged is not None:
+        ragged_view = ragged
+        if ragged_view.shape[0] != 3 or ragged_view.shape[1] != p.batch:
+            raise ValueError("attention: ragged must be (3, batch)")
+        p.q_lens = &ragged_view[0, 0]
+        p.k_lens = &ragged_view[1, 0]
+        p.offsets = &ragged_view[2, 0]
     p.heads_as_rows = p.q_len == 1 and p.group > 1
     # tiles no larger than the problem: short sequences get small per-thread scratch
     p.block_q, p.block_k = min(BLOCK_Q, max(p.q_len, 1)), min(BLOCK_K, max(p.k_len, 1))
@@ -472,6 +524,8 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     cdef double flops = 2.0 * p.batch * p.q_heads * p.q_len * p.k_len * (p.d + p.dv)
     if p.causal:
         flops /= 2
+    if p.window > 0 and p.window < p.k_len:     # rows see at most window keys
+        flops *= <double> p.window / p.k_len
     cdef int team = _team(n_threads, n_tasks, flops)
     cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else p.block_q
     cdef Py_ssize_t bk = p.block_k
@@ -491,9 +545,12 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
 
     # split-K (see MIN_PARALLEL_TASKS): parts of at least two tiles each
     cdef Py_ssize_t n_parts = 1
+    cdef Py_ssize_t task_keys = p.k_len     # (at most) the keys of one task
+    if p.window > 0 and p.heads_as_rows:
+        task_keys = min(task_keys, p.window)
     if n_tasks < MIN_PARALLEL_TASKS:
         n_parts = max(1, min((MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
-                             p.k_len // (2 * bk)))
+                             task_keys // (2 * bk)))
     team = _team(n_threads, n_tasks * n_parts, flops)
     # acc (max_rows x dv), then running max and sum (max_rows each): after the score tile in
     # each thread's scratch, or per part in `parts` when the keys are split

@@ -1,24 +1,45 @@
 """The key/value cache of incremental (token-by-token) decoding."""
+import numbers
+
 import numpy as np
+
+
+def _int_per_sequence(value, batch, name):
+    """value (an int, or (batch,) ints) as an int64 (batch,) array; TypeError/ValueError else."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int or {batch} ints; got {value!r}")
+    if isinstance(value, numbers.Integral):
+        return np.full(batch, int(value), dtype=np.int64)
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int or an integer array of shape ({batch},); got "
+                        f"dtype {arr.dtype}")
+    if arr.shape != (batch,):
+        raise ValueError(f"{name} must be an int or have shape ({batch},); got {arr.shape}")
+    return arr.astype(np.int64)
 
 
 class KVCache:
     """Preallocated keys and values of the tokens decoded so far, for one module.
 
-    ``key`` and ``value`` are (batch_size, num_kv_heads, max_len, head_dim) arrays; the first
-    ``length`` positions hold the projected keys/values of the tokens seen so far. With GQA/MQA
-    only num_kv_heads heads are stored, which is what makes the cache smaller.
+    ``key`` and ``value`` are (batch_size, num_kv_heads, max_len, head_dim) arrays; sequence b
+    holds the projected keys/values of its tokens so far in its first ``lengths[b]`` positions.
+    Sequences may have different lengths (ragged batches: right-padded prompts, see the
+    ``lengths=`` argument of the module call); ``length`` is the longest. With GQA/MQA only
+    num_kv_heads heads are stored, which is what makes the cache smaller.
 
-    A call ``mha(x, cache=cache)`` appends the keys/values of x and attends causally over the
-    whole cache. A call that fails (bad input, overflow) leaves ``length`` unchanged, so the
-    cache is exactly as it was: positions past ``length`` are scratch, never state.
+    A call ``mha(x, cache=cache)`` appends the keys/values of x to each sequence, at that
+    sequence's own position, and attends causally over the sequence's cached tokens. A call
+    that fails (bad input, overflow) leaves ``lengths`` and the stored values unchanged:
+    positions past a sequence's length are scratch, never state, and nothing is written
+    before every check has passed.
     """
 
     def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype):
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.key = np.zeros(shape, dtype=dtype)
         self.value = np.zeros(shape, dtype=dtype)
-        self._length = 0
+        self._lengths = np.zeros(batch_size, dtype=np.int64)
 
     @property
     def batch_size(self):
@@ -41,41 +62,92 @@ class KVCache:
         return self.key.dtype
 
     @property
+    def lengths(self):
+        """Tokens cached per sequence, int64 (batch_size,) (a copy)."""
+        return self._lengths.copy()
+
+    @property
     def length(self):
-        """Number of tokens cached so far."""
-        return self._length
+        """Tokens cached in the longest sequence (all of them when the lengths are equal)."""
+        return int(self._lengths.max())
+
+    @property
+    def nbytes(self):
+        """Bytes of the allocated storage (the max_len capacity, not only the cached tokens)."""
+        return self.key.nbytes + self.value.nbytes
 
     def truncate(self, length):
-        """Forget every token after the first `length` (e.g. to roll back a rejected draft)."""
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-            raise TypeError(f"length must be an int; got {length!r}")
-        if not 0 <= length <= self._length:
-            raise ValueError(f"length must be in [0, {self._length}] (the cached length); "
-                             f"got {length}")
-        self._length = int(length)
+        """Forget every token of sequence b after its first length[b] (e.g. to roll back a
+        rejected draft). length: an int (the same for every sequence) or (batch_size,) ints,
+        each between 0 and that sequence's cached length."""
+        new = _int_per_sequence(length, self.batch_size, "length")
+        bad = np.flatnonzero((new < 0) | (new > self._lengths))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"length must be in [0, {self._lengths[b]}] (the cached length) for "
+                             f"sequence {b}; got {new[b]}")
+        self._lengths = new
+
+    def reorder(self, indices):
+        """Sequence b becomes the old sequence indices[b] (beam search: repeats allowed, a
+        sequence not listed is dropped). indices: (batch_size,) ints in [0, batch_size)."""
+        if np.ndim(indices) == 0:
+            raise TypeError(f"indices must be {self.batch_size} ints; got {indices!r}")
+        idx = _int_per_sequence(indices, self.batch_size, "indices")
+        bad = np.flatnonzero((idx < 0) | (idx >= self.batch_size))
+        if bad.size:
+            raise ValueError(f"indices must be in [0, {self.batch_size}); got {idx[bad[0]]} at "
+                             f"position {int(bad[0])}")
+        # only the cached positions carry state; the rest of each row is scratch
+        stop = self.length
+        self.key[:, :, :stop] = self.key[idx, :, :stop]
+        self.value[:, :, :stop] = self.value[idx, :, :stop]
+        self._lengths = self._lengths[idx]
+
+    def copy(self):
+        """An independent deep copy (storage and lengths)."""
+        new = object.__new__(type(self))
+        new.__dict__.update({name: np.array(value, copy=True)
+                             for name, value in self.__dict__.items()})
+        return new
 
     def reset(self):
         """Empty the cache (the storage is kept for reuse)."""
-        self._length = 0
+        self._lengths[:] = 0
 
-    def _check_room(self, n_new):
-        if self._length + n_new > self.max_len:
+    def _check_room(self, counts):
+        """Raise, changing nothing, unless every sequence b has room for counts[b] tokens."""
+        over = np.flatnonzero(self._lengths + counts > self.max_len)
+        if over.size:
+            b = int(over[0])
+            seq = "" if self.batch_size == 1 else f" (sequence {b})"
             raise ValueError(
-                f"cache overflow: {self._length} cached + {n_new} new tokens > max_len "
-                f"{self.max_len}; make the cache with a larger max_len (the cache is unchanged)")
+                f"cache overflow: {self._lengths[b]} cached + {counts[b]} new tokens > "
+                f"max_len {self.max_len}{seq}; make the cache with a larger max_len (the cache "
+                "is unchanged)")
 
-    def _write(self, keys, values):
-        """Store (B, Hkv, n, D) keys/values after the cached ones; return the (B, Hkv, length + n, D)
-        views to attend over. The length is committed separately (_commit), after success."""
-        start, stop = self._length, self._length + keys.shape[2]
-        self.key[:, :, start:stop] = keys
-        self.value[:, :, start:stop] = values
+    def _write(self, keys, values, plan):
+        """Store (B, Hkv, n, D) keys/values: sequence b's first plan.counts[b] after its cached
+        ones. Return the (B, Hkv, plan.k_len, D) views to attend over (sequence b's keys past
+        plan.k_lens[b] are scratch: the kernels read only its own). The lengths are committed
+        separately (_commit), after success."""
+        stop = plan.k_len
+        if not plan.ragged:
+            start = int(plan.starts[0])
+            self.key[:, :, start:stop] = keys
+            self.value[:, :, start:stop] = values
+        else:
+            for b, (start, count) in enumerate(zip(plan.starts.tolist(), plan.counts.tolist())):
+                self.key[b, :, start:start + count] = keys[b, :, :count]
+                self.value[b, :, start:start + count] = values[b, :, :count]
         return self.key[:, :, :stop], self.value[:, :, :stop]
 
-    def _commit(self, n_new):
-        self._length += n_new
+    def _commit(self, plan):
+        self._lengths = plan.k_lens.copy()
 
     def __repr__(self):
+        lengths = (f"length={self.length}" if (self._lengths == self._lengths[0]).all()
+                   else f"lengths={self._lengths.tolist()}")
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
-                f"length={self.length}, max_len={self.max_len}, head_dim={self.head_dim}, "
+                f"{lengths}, max_len={self.max_len}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype})")

@@ -3,15 +3,20 @@ the KV cache bookkeeping. The computation itself is each subclass's `_forward`."
 import numpy as np
 
 from ._cache import KVCache
+from ._call_plan import CachePlan
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
                       check_key_padding_mask, check_ndim, float_dtype, positive_int, result_dtype)
+from ._window import check_window, require_causal
 
 
 class MultiHeadAttentionBase:
     """Multi-head attention with PyTorch's conventions (see mha_cy.MultiHeadAttention)."""
 
+    window = None       # the sliding window (mha_cy._window); None = unlimited
+
     def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None,
-                 vdim=None, bias=True, dtype=np.float32, seed=None):
+                 vdim=None, bias=True, dtype=np.float32, seed=None, window=None):
+        window = check_window(window)
         embed_dim = positive_int(embed_dim, "embed_dim")
         num_heads = positive_int(num_heads, "num_heads")
         if head_dim is None:
@@ -38,11 +43,12 @@ class MultiHeadAttentionBase:
                     xavier(n_q, embed_dim), xavier(n_kv, kdim), xavier(n_kv, vdim),
                     rng.uniform(-out_bound, out_bound, size=(embed_dim, n_q)),
                     zeros(n_q), zeros(n_kv), zeros(n_kv), zeros(embed_dim))
+        self.window = window
 
     @classmethod
     def from_weights(cls, q_weight, k_weight, v_weight, out_weight, *, num_heads,
                      num_kv_heads=None, q_bias=None, k_bias=None, v_bias=None, out_bias=None,
-                     dtype=None):
+                     dtype=None, window=None):
         """A module with the given weights, in nn.Linear layout (out_features, in_features).
 
         q_weight (num_heads * head_dim, embed_dim), k_weight (num_kv_heads * head_dim, kdim),
@@ -50,7 +56,9 @@ class MultiHeadAttentionBase:
         embed_dim, kdim, vdim and head_dim are read off the shapes. A missing bias is zero
         (some models have no bias on k only); no bias at all means bias=False. The arrays are
         copied. dtype: float32 or float64; None = float64 if any weight is float64, else float32.
+        window: the sliding window, as in the constructor.
         """
+        window = check_window(window)
         num_heads = positive_int(num_heads, "num_heads")
         num_kv_heads = cls._check_kv_heads(num_kv_heads, num_heads)
         weights = {name: as_array(w, name) for name, w in (
@@ -89,6 +97,7 @@ class MultiHeadAttentionBase:
             biases = [np.zeros(n) if b is None else b for b, n in zip(biases, sizes)]
         self = cls.__new__(cls)
         self._setup(num_heads, num_kv_heads, dt, qw, kw, vw, ow, *biases)
+        self.window = window
         return self
 
     @classmethod
@@ -166,7 +175,8 @@ class MultiHeadAttentionBase:
     def __repr__(self):
         return (f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
-                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype})")
+                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype}"
+                + ("" if self.window is None else f", window={self.window}") + ")")
 
     def new_cache(self, batch_size, max_len):
         """An empty KV cache for incremental decoding of batch_size sequences up to max_len."""
@@ -174,7 +184,7 @@ class MultiHeadAttentionBase:
                        positive_int(max_len, "max_len"), self.head_dim, self.dtype)
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None):
+                 is_causal=False, need_weights=False, cache=None, lengths=None):
         """Attend query (B, Lq, E) to key (B, Lk, kdim) / value (B, Lk, vdim); see the class doc.
 
         Returns out (B, Lq, E), or (out, weights) with weights (B, num_heads, Lq, Lk) when
@@ -211,18 +221,24 @@ class MultiHeadAttentionBase:
                 key_padding_mask = np.asarray(key_padding_mask)
                 if key_padding_mask.ndim == 1:
                     key_padding_mask = key_padding_mask[None]
+            if lengths is not None and np.ndim(lengths) == 0:
+                lengths = [lengths]
         B, Lq, _ = query.shape
         Lk = key.shape[1]
         is_causal = check_bool_flag(is_causal, "is_causal")
         need_weights = check_bool_flag(need_weights, "need_weights")
 
+        plan = None
         if cache is not None:
             if not self_attention:
                 raise ValueError("cache= is for self-attention decoding: key and value must be None")
             self._check_cache(cache, B)
-            cache._check_room(Lq)
-            Lk = cache.length + Lq
+            plan = CachePlan(cache, Lq, lengths)     # checks lengths and room; writes nothing
+            Lk = plan.k_len
             is_causal = True        # a decoder's new tokens see only the cache and themselves
+        elif lengths is not None:
+            raise ValueError("lengths= is for ragged batches in a cache: pass cache= too")
+        require_causal(self.window, is_causal)
         if key_padding_mask is not None:
             key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
         if attn_mask is not None:
@@ -235,9 +251,10 @@ class MultiHeadAttentionBase:
             weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
         else:
             out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
-                                         attn_mask, is_causal, need_weights, cache)
-            if cache is not None:
-                cache._commit(Lq)
+                                         attn_mask, is_causal, need_weights, plan)
+        if plan is not None:
+            plan.zero_padding(out, weights)
+            plan.commit()
         if unbatched:
             out = out[0]
             weights = None if weights is None else weights[0]
@@ -254,8 +271,9 @@ class MultiHeadAttentionBase:
         check_dim(cache.batch_size, batch, "cache", "batch_size")
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, cache):
+                 is_causal, need_weights, plan):
         """out (B, Lq, E) and weights (B, H, Lq, Lk) or None. Inputs are checked 3-D arrays of
-        the module dtype; masks as returned by the _checks functions; with a cache, append the
-        new keys/values (cache._write) and attend over all of them (the base commits)."""
+        the module dtype; masks as returned by the _checks functions; with a cache, plan is its
+        CachePlan: append the new keys/values (plan.write) and attend over each sequence's own
+        keys (the base zeroes the padding rows and commits). self.window applies."""
         raise NotImplementedError

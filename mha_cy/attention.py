@@ -14,6 +14,7 @@ from . import _attention_kernel, _linear_kernel
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
 from ._threads import blas_single_threaded, kernel_threads
+from ._window import check_window, require_causal
 
 __all__ = ["MultiHeadAttention", "scaled_dot_product_attention"]
 
@@ -60,18 +61,22 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
     return add, pad
 
 
-def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads):
+def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads,
+            window=None, ragged=None):
     """out[...] = attention of q over k, v ((B, H, L, D) views as _blas_operand returns them),
-    weights filled if given."""
+    weights filled if given; window: None or an int (with is_causal); ragged: the kernel's
+    per-sequence counts (CachePlan.kernel_ragged) or None."""
     _check_32_bit_sizes(q, k, weights)
     add = pad = None
     if attn_mask is not None or key_padding_mask is not None:
         add, pad = _kernel_masks(attn_mask, key_padding_mask,
                                  q.shape[:3] + (k.shape[2],), q.dtype)
-    _attention_kernel.attention(q, k, v, out, add, pad, is_causal, scale, weights, n_threads)
+    _attention_kernel.attention(q, k, v, out, add, pad, is_causal, scale, weights, n_threads,
+                                window or 0, ragged)
 
 
-def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
+                                 window=None):
     """softmax(q k^T * scale + mask) v for every batch and head.
 
     q (B, Hq, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with Hq % Hkv == 0: query head h
@@ -79,16 +84,20 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     attn_mask: bool (True = may attend) or additive, shaped (Lq, Lk), (B, Lq, Lk) or
     (B, Hq, Lq, Lk), axes of size 1 broadcast. is_causal: query i sees keys j <= i + Lk - Lq
     (diagonal at the bottom right). scale: default 1/sqrt(D). A row with every key masked
-    gives zeros. Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
+    gives zeros. window: None or an int >= 1, with is_causal only: query i sees just the keys
+    i + Lk - Lq - window < j <= i + Lk - Lq (sliding-window attention; the keys before the
+    window are not read). Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
     """
+    window = check_window(window)
     q, k, v, attn_mask, is_causal, scale = check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale)
+    require_causal(window, is_causal)
     shape = q.shape[:3] + (v.shape[3],)
     if 0 in shape or k.shape[2] == 0:             # nothing to compute or to attend to
         return np.zeros(shape, dtype=q.dtype)
     out = np.empty(shape, dtype=q.dtype)
     with blas_single_threaded():
         _attend(_blas_operand(q), _blas_operand(k), _blas_operand(v), out, attn_mask, None,
-                is_causal, scale, None, kernel_threads())
+                is_causal, scale, None, kernel_threads(), window)
     return out
 
 
@@ -110,9 +119,10 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     """Multi-head attention for CPU inference, with PyTorch's conventions.
 
     mha = MultiHeadAttention(embed_dim, num_heads, *, num_kv_heads=None, head_dim=None,
-                             kdim=None, vdim=None, bias=True, dtype=np.float32, seed=None)
+                             kdim=None, vdim=None, bias=True, dtype=np.float32, seed=None,
+                             window=None)
     out = mha(query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-              is_causal=False, need_weights=False, cache=None)
+              is_causal=False, need_weights=False, cache=None, lengths=None)
 
     - query (B, Lq, E) (or (Lq, E), unbatched); key=None: self-attention; value=None: value = key.
     - num_kv_heads: None = num_heads (MHA), 1 = MQA, a divisor of num_heads = GQA.
@@ -123,26 +133,31 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     - need_weights: also return the per-head weights (B, num_heads, Lq, Lk).
     - cache: a KVCache from new_cache(); the call appends the keys/values of query and attends
       causally over everything cached. A failed call leaves the cache as it was.
+    - window: sliding-window attention (Mistral), with is_causal or a cache: query i sees the
+      keys i + Lk - Lq - window < j <= i + Lk - Lq only. None = unlimited.
+    - lengths: int (B,), with a cache (ragged batches of right-padded prompts): sequence b
+      appends only its first lengths[b] tokens, at its own position cache.lengths[b], and
+      attends to its own tokens; its output rows past lengths[b] are 0 (no bias).
     Weights are nn.Linear-shaped (out_features, in_features): q_weight, k_weight, v_weight,
     out_weight, q_bias, ... (the q/k/v ones are views of in_proj_weight when kdim == vdim ==
     embed_dim). Output dtype is the module dtype (float32 or float64); other inputs are converted.
     """
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None):
+                 is_causal=False, need_weights=False, cache=None, lengths=None):
         # The common call, mha(x) or mha(x, is_causal=True) on a 3-D array of the module's
         # dtype, has nothing to check but the array itself: it skips the general argument
         # handling (about a quarter of a tiny layer's time). Everything else takes that path.
         if (key is None and value is None and key_padding_mask is None and attn_mask is None
-                and cache is None and need_weights is False
-                and (is_causal is False or is_causal is True)
+                and cache is None and lengths is None and need_weights is False
+                and (is_causal is True or (is_causal is False and self.window is None))
                 and type(query) is np.ndarray and query.ndim == 3
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
                 and query.shape[0] and query.shape[1] and self.in_proj_weight is not None):
             return self._self_attention(query, is_causal)
         return super().__call__(query, key, value, key_padding_mask=key_padding_mask,
                                 attn_mask=attn_mask, is_causal=is_causal,
-                                need_weights=need_weights, cache=cache)
+                                need_weights=need_weights, cache=cache, lengths=lengths)
 
     def _self_attention(self, x, is_causal):
         """Self-attention of a checked, non-empty (B, L, E) array: one QKV projection, the
@@ -159,11 +174,12 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             _attention_kernel.attention(qkv[:, :heads], qkv[:, heads:heads + kv_heads],
                                         qkv[:, heads + kv_heads:],
                                         _split_heads(context, heads, d), None, None,
-                                        is_causal, 1.0 / math.sqrt(d), None, n_threads)
+                                        is_causal, 1.0 / math.sqrt(d), None, n_threads,
+                                        self.window or 0)
             return _linear(context, self.out_weight, self.out_bias, n_threads)
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, cache):
+                 is_causal, need_weights, plan):
         batch, q_len, _ = query.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_q = heads * d
@@ -185,14 +201,18 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                      kv_heads, d)
                     v = _split_heads(_linear(value, self.v_weight, self.v_bias, n_threads),
                                      kv_heads, d)
-            if cache is not None:
-                k, v = cache._write(k, v)
+            ragged = None
+            if plan is not None:
+                k, v = plan.write(k, v)
+                ragged = plan.kernel_ragged()
             # q, k, v are head views of the projections (or of the cache): BLAS-ready as they are
-            context = np.empty((batch, q_len, n_q), dtype=self.dtype)
+            # (a ragged batch's padding rows are not computed: zeros, not scratch, go to W_O)
+            alloc = np.empty if ragged is None else np.zeros
+            context = alloc((batch, q_len, n_q), dtype=self.dtype)
             weights = None
             if need_weights:
-                weights = np.empty((batch, heads, q_len, k.shape[2]), dtype=self.dtype)
+                weights = alloc((batch, heads, q_len, k.shape[2]), dtype=self.dtype)
             _attend(q, k, v, _split_heads(context, heads, d), attn_mask, key_padding_mask,
-                    is_causal, 1.0 / math.sqrt(d), weights, n_threads)
+                    is_causal, 1.0 / math.sqrt(d), weights, n_threads, self.window, ragged)
             out = _linear(context, self.out_weight, self.out_bias, n_threads)
         return out, weights

@@ -10,16 +10,18 @@ import numpy as np
 from ._cache import KVCache
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
+from ._window import check_window, require_causal
 
 __all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention"]
 
 
-def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
+def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=None):
     """(out, weights) of softmax(scale * q k^T + mask) v.
 
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D); attn_mask None, bool (True = may attend) or
     additive, broadcastable to (B, Hq, Lq, Lk); key_padding_mask None or bool (B, Lk),
-    True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq.
+    True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq; window (with
+    is_causal): and only keys j > i + Lk - Lq - window.
 
     Which keys a row sees is decided by the masks alone: a key is masked by a False in a
     bool mask, by padding, by causality, or by -inf in an additive mask, and a masked key's
@@ -46,6 +48,8 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
         q_len, k_len = scores.shape[-2:]
         query_pos = np.arange(q_len)[:, None] + (k_len - q_len)
         allowed &= np.arange(k_len)[None, :] <= query_pos
+        if window is not None:
+            allowed &= np.arange(k_len)[None, :] > query_pos - window
     fully_masked = ~allowed.any(axis=-1, keepdims=True)
     scores = np.where(allowed, scores, -np.inf)
 
@@ -60,17 +64,40 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
     return out, weights
 
 
-def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
+                                 window=None):
     """softmax(q k^T * scale + mask) v; see mha_cy.scaled_dot_product_attention."""
+    window = check_window(window)
     q, k, v, attn_mask, is_causal, scale = check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale)
-    return _attention(q, k, v, attn_mask, None, is_causal, scale)[0]
+    require_causal(window, is_causal)
+    return _attention(q, k, v, attn_mask, None, is_causal, scale, window)[0]
+
+
+def _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale, window, plan):
+    """_attention of a ragged cache batch: each sequence on its own, over its own new queries
+    and keys (so causally at its own positions); padding query rows stay 0."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    out = np.zeros(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    weights = np.zeros((B, H, Lq, Lk), dtype=q.dtype)
+    if attn_mask is not None:
+        attn_mask = np.broadcast_to(attn_mask, (B, H, Lq, Lk))
+    for b, (n, kl) in enumerate(zip(plan.counts.tolist(), plan.k_lens.tolist())):
+        if n == 0:
+            continue
+        mask = None if attn_mask is None else attn_mask[b:b + 1, :, :n, :kl]
+        pad = None if key_padding_mask is None else key_padding_mask[b:b + 1, :kl]
+        o, w = _attention(q[b:b + 1, :, :n], k[b:b + 1, :, :kl], v[b:b + 1, :, :kl], mask, pad,
+                          True, scale, window)
+        out[b, :, :n], weights[b, :, :n, :kl] = o[0], w[0]
+    return out, weights
 
 
 class MultiHeadAttention(MultiHeadAttentionBase):
     """Multi-head attention in plain NumPy; see mha_cy.MultiHeadAttention."""
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, cache):
+                 is_causal, need_weights, plan):
         batch, q_len, _ = query.shape
 
         def project(x, weight, bias, heads):       # (B, L, in) -> (B, heads, L, head_dim)
@@ -82,10 +109,15 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         q = project(query, self.q_weight, self.q_bias, self.num_heads)
         k = project(key, self.k_weight, self.k_bias, self.num_kv_heads)
         v = project(value, self.v_weight, self.v_bias, self.num_kv_heads)
-        if cache is not None:
-            k, v = cache._write(k, v)
-        context, weights = _attention(q, k, v, attn_mask, key_padding_mask, is_causal,
-                                      1.0 / np.sqrt(self.head_dim))
+        scale = 1.0 / np.sqrt(self.head_dim)
+        if plan is not None:
+            k, v = plan.write(k, v)
+        if plan is not None and plan.ragged:
+            context, weights = _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale,
+                                                 self.window, plan)
+        else:
+            context, weights = _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                          self.window)
         # concatenate the heads, then mix them with the output projection
         context = context.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
         out = context @ self.out_weight.T

@@ -77,6 +77,8 @@ ptrdiff_t mha_fused_scratch_f64(int d);
  * pad        key padding flags, pad[j] nonzero = ignore key j; or NULL
  * limit      row r sees only keys j < limit + r * limit_step (the causal limit; a limit
  *            >= k_end and step 0 when not causal)
+ * window     > 0: row r sees only keys j >= limit + r * limit_step - window too (the sliding
+ *            window); 0: no window. Row blocks whose windows all miss a tile skip it.
  * m, l, acc  running max, sum and output accumulator (rows x dv, row stride dv) of each row,
  *            as in mha_online_softmax_row_*: start at -inf, 0, 0; finish with acc / l
  * work       mha_fused_scratch_*(d) elements
@@ -86,12 +88,14 @@ void mha_fused_attend_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
                           ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
                           const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                           const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                          ptrdiff_t window,
                           float *m, float *l, float *acc, float *work);
 void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
                           const double *k, ptrdiff_t k_rs, const double *v, ptrdiff_t v_rs,
                           int dv, ptrdiff_t k_begin, ptrdiff_t k_end, double scale,
                           const double *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                           const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                          ptrdiff_t window,
                           double *m, double *l, double *acc, double *work);
 
 /* The same without packing the keys (the direct kernel): for tasks of few rows (decode),
@@ -105,14 +109,15 @@ void mha_fused_attend_direct_f32(const float *q, ptrdiff_t q_rs, int rows, int d
                                  int dv, ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
                                  const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                                  const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                                 ptrdiff_t window,
                                  float *m, float *l, float *acc, float *work);
 void mha_fused_attend_direct_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
                                  const double *k, ptrdiff_t k_rs, const double *v,
                                  ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, ptrdiff_t k_end,
                                  double scale, const double *add, ptrdiff_t add_rs,
                                  ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
-                                 ptrdiff_t limit_step, double *m, double *l, double *acc,
-                                 double *work);
+                                 ptrdiff_t limit_step, ptrdiff_t window, double *m, double *l,
+                                 double *acc, double *work);
 
 #ifdef __cplusplus
 }

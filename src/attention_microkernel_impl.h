@@ -107,14 +107,17 @@ static inline __attribute__((always_inline)) void
 FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, int dv,
                     ptrdiff_t j0, const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                     const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                    ptrdiff_t window,
                     REAL *m, REAL *l, REAL *acc)
 {
     for (int i = 0; i < M; i++) {
         ptrdiff_t n_valid = limit + i * limit_step - j0;
         n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
+        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
+        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
         SOFTMAX_ROW(s + i * NK, nk, add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                    pad == NULL ? NULL : pad + j0, (int)n_valid, m + i, l + i, acc + i * dv,
-                    dv);
+                    pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid, m + i, l + i,
+                    acc + i * dv, dv);
     }
     const REAL *vt = v + j0 * v_rs;
     ptrdiff_t e = 0;
@@ -129,17 +132,18 @@ static inline __attribute__((always_inline)) void
 FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, int nk, int nkp,
            const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0, REAL scale,
            const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
-           ptrdiff_t limit, ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc, REAL *s)
+           ptrdiff_t limit, ptrdiff_t limit_step,
+           ptrdiff_t window, REAL *m, REAL *l, REAL *acc, REAL *s)
 {
     FN(scores_block_)(M, q, q_rs, d, kt, nkp, scale, s);
     FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
-                        limit_step, m, l, acc);
+                        limit_step, window, m, l, acc);
 }
 
 #define BLOCK(M)                                                                             \
     FN(block_)((M), q + r * q_rs, q_rs, d, kt, nk, nkp, v, v_rs, dv, j0, scale,             \
                add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,                   \
-               limit + r * limit_step, limit_step, m + r, l + r, acc + r * dv, s)
+               limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv, s)
 
 MHA_SIMD_CLONES
 void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
@@ -147,6 +151,7 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
                            ptrdiff_t k_begin, ptrdiff_t k_end, REAL scale,
                            const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                            const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                           ptrdiff_t window,
                            REAL *m, REAL *l, REAL *acc, REAL *work)
 {
     REAL *kt = work, *s = work + (ptrdiff_t)(d > 0 ? d : 1) * NK;
@@ -159,6 +164,9 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
             /* rows that see no key of the tile (above the causal diagonal) are left as they
              * are: their softmax would add p = 0 everywhere */
             if (limit + (r + (left < RB ? left : RB) - 1) * limit_step <= j0)
+                continue;
+            /* nor those whose windows all start after the tile (the first row's starts first) */
+            if (window > 0 && limit + r * limit_step - window >= j0 + nk)
                 continue;
             switch (left < RB ? left : RB) {
             case 1: BLOCK(1); break;
@@ -277,19 +285,21 @@ static inline __attribute__((always_inline)) void
 FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                   ptrdiff_t k_rs, int nk, const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0,
                   REAL scale, const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
-                  const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step, REAL *m,
+                  const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                  ptrdiff_t window, REAL *m,
                   REAL *l, REAL *acc, REAL *s, int prefetch, int nk_next)
 {
     FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
                        prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
     FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
-                        limit_step, m, l, acc);
+                        limit_step, window, m, l, acc);
 }
 
 #define DBLOCK(M)                                                                            \
     FN(direct_block_)((M), q + r * q_rs, q_rs, d, k, k_rs, nk, v, v_rs, dv, j0, scale,      \
                       add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,            \
-                      limit + r * limit_step, limit_step, m + r, l + r, acc + r * dv, s,   \
+                      limit + r * limit_step, limit_step, window, m + r, l + r,            \
+                      acc + r * dv, s,                                                       \
                       r == 0, nk_next)
 
 MHA_SIMD_CLONES
@@ -298,7 +308,8 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
                                   int dv, ptrdiff_t k_begin, ptrdiff_t k_end, REAL scale,
                                   const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                                   const unsigned char *pad, ptrdiff_t limit,
-                                  ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc,
+                                  ptrdiff_t limit_step,
+                                  ptrdiff_t window, REAL *m, REAL *l, REAL *acc,
                                   REAL *work)
 {
     REAL *s = work;
@@ -309,6 +320,8 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
         for (ptrdiff_t r = 0; r < rows; r += DRB) {
             int left = (int)(rows - r);
             if (limit + (r + (left < DRB ? left : DRB) - 1) * limit_step <= j0)
+                continue;
+            if (window > 0 && limit + r * limit_step - window >= j0 + nk)
                 continue;
             switch (left < DRB ? left : DRB) {
             case 1: DBLOCK(1); break;

@@ -9,6 +9,7 @@
  * Mask arguments, shared by all functions (row = one query, columns = the n keys of the tile):
  *   add, add_stride  additive mask of the row (NULL: none); key j adds add[j * add_stride]
  *   pad              key padding flags of the tile's keys (NULL: none); nonzero = ignore key j
+ *   n_skip           keys j < n_skip are masked (the sliding window's start; 0 without one)
  *   n_valid          keys j >= n_valid are masked (the causal limit; n when not causal)
  * A masked key gets probability exactly 0. A row whose keys are all masked gives zeros. */
 #ifndef MHA_ATTENTION_TILE_H
@@ -27,17 +28,17 @@ extern "C" {
  * acc[0:dv] the row's output accumulator (sum of p_j v_j), rescaled here by exp(m_old - m_new)
  *         so that the caller can add this tile's P V to it. */
 void mha_online_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride,
-                                const unsigned char *pad, int n_valid,
+                                const unsigned char *pad, int n_skip, int n_valid,
                                 float *m, float *l, float *acc, int dv);
 void mha_online_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
-                                const unsigned char *pad, int n_valid,
+                                const unsigned char *pad, int n_skip, int n_valid,
                                 double *m, double *l, double *acc, int dv);
 
 /* Exact softmax of one whole row in place: s[0:n] becomes the attention weights. */
 void mha_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride,
-                         const unsigned char *pad, int n_valid);
+                         const unsigned char *pad, int n_skip, int n_valid);
 void mha_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
-                         const unsigned char *pad, int n_valid);
+                         const unsigned char *pad, int n_skip, int n_valid);
 
 /* out[0:dv] = acc / l, or zeros when l == 0 (every key of the row was masked); NaN l: NaN. */
 void mha_finish_row_f32(const float *acc, float l, float *out, int dv);

@@ -13,14 +13,14 @@
  * vectorized better there than the pragma did. A NaN score still ends in a NaN output. */
 #define LANES 16
 
-/* Pass 1 of every row: add the additive mask, then mark the keys that causality or padding
- * hide with -inf (after the addition, so that a +inf or NaN in the additive mask at a hidden
- * key cannot turn it into NaN); return the row max, or NaN when a visible score is NaN. The
+/* Pass 1 of every row: add the additive mask, then mark the keys that causality, the sliding
+ * window or padding hide with -inf (after the addition, so that a +inf or NaN in the additive
+ * mask at a hidden key cannot turn it into NaN); return the row max, or NaN when a visible score is NaN. The
  * max skips NaN, so without that flag a row whose scores are all NaN would look fully masked
  * and give zeros: a NaN (or a +inf, whose exp(inf - inf) is NaN) that reaches a row's scores
  * makes the whole row NaN, as in NumPy and torch. */
 static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
-                                     const unsigned char *pad, int n_valid)
+                                     const unsigned char *pad, int n_skip, int n_valid)
 {
     if (add != NULL) {
         if (add_stride == 1)
@@ -33,6 +33,8 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
     if (n_valid < n)
         for (ptrdiff_t j = (n_valid > 0 ? n_valid : 0); j < n; j++)
             s[j] = -INFINITY;
+    for (ptrdiff_t j = 0; j < (n_skip < n ? n_skip : n); j++)
+        s[j] = -INFINITY;
     if (pad != NULL)
         for (ptrdiff_t j = 0; j < n; j++)
             s[j] = pad[j] ? -INFINITY : s[j];
@@ -69,10 +71,10 @@ static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
 
 MHA_SIMD_CLONES
 void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
-                                 const unsigned char *pad, int n_valid,
+                                 const unsigned char *pad, int n_skip, int n_valid,
                                  REAL *m, REAL *l, REAL *acc, int dv)
 {
-    REAL tile_max = FN(mask_and_max_)(s, n, add, add_stride, pad, n_valid);
+    REAL tile_max = FN(mask_and_max_)(s, n, add, add_stride, pad, n_skip, n_valid);
     REAL m_old = *m;
     /* a NaN max (a NaN score) sticks: every later tile keeps it and the row ends NaN */
     REAL m_new = tile_max > m_old || tile_max != tile_max ? tile_max : m_old;
@@ -95,9 +97,9 @@ void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_
 
 MHA_SIMD_CLONES
 void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
-                          const unsigned char *pad, int n_valid)
+                          const unsigned char *pad, int n_skip, int n_valid)
 {
-    REAL mx = FN(mask_and_max_)(s, n, add, add_stride, pad, n_valid);
+    REAL mx = FN(mask_and_max_)(s, n, add, add_stride, pad, n_skip, n_valid);
     if (mx == -INFINITY) {               /* all keys masked: weights of zeros, not NaN */
         for (ptrdiff_t j = 0; j < n; j++)
             s[j] = 0;
