@@ -39,7 +39,14 @@ class KVCache:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.key = np.zeros(shape, dtype=dtype)
         self.value = np.zeros(shape, dtype=dtype)
-        self._lengths = np.zeros(batch_size, dtype=np.int64)
+        self._set_lengths(np.zeros(batch_size, dtype=np.int64))
+
+    def _set_lengths(self, lengths):
+        """The only writer of the lengths: _equal_length is their common value, or None when
+        they differ (the uniform fast paths of truncate and CachePlan use Python ints)."""
+        self._lengths = lengths
+        first = int(lengths[0])
+        self._equal_length = first if (lengths == first).all() else None
 
     @property
     def batch_size(self):
@@ -69,6 +76,8 @@ class KVCache:
     @property
     def length(self):
         """Tokens cached in the longest sequence (all of them when the lengths are equal)."""
+        if self._equal_length is not None:
+            return self._equal_length
         return int(self._lengths.max())
 
     @property
@@ -80,13 +89,19 @@ class KVCache:
         """Forget every token of sequence b after its first length[b] (e.g. to roll back a
         rejected draft). length: an int (the same for every sequence) or (batch_size,) ints,
         each between 0 and that sequence's cached length."""
+        equal = self._equal_length
+        if (equal is not None and isinstance(length, numbers.Integral)
+                and not isinstance(length, (bool, np.bool_)) and 0 <= length <= equal):
+            self._lengths.fill(length)          # the common case, without NumPy reductions
+            self._equal_length = int(length)
+            return
         new = _int_per_sequence(length, self.batch_size, "length")
         bad = np.flatnonzero((new < 0) | (new > self._lengths))
         if bad.size:
             b = int(bad[0])
             raise ValueError(f"length must be in [0, {self._lengths[b]}] (the cached length) for "
                              f"sequence {b}; got {new[b]}")
-        self._lengths = new
+        self._set_lengths(new)
 
     def reorder(self, indices):
         """Sequence b becomes the old sequence indices[b] (beam search: repeats allowed, a
@@ -102,18 +117,24 @@ class KVCache:
         stop = self.length
         self.key[:, :, :stop] = self.key[idx, :, :stop]
         self.value[:, :, :stop] = self.value[idx, :, :stop]
-        self._lengths = self._lengths[idx]
+        self._set_lengths(self._lengths[idx])
 
     def copy(self):
         """An independent deep copy (storage and lengths)."""
         new = object.__new__(type(self))
-        new.__dict__.update({name: np.array(value, copy=True)
+        new.__dict__.update({name: value.copy() if isinstance(value, np.ndarray) else value
                              for name, value in self.__dict__.items()})
         return new
 
     def reset(self):
         """Empty the cache (the storage is kept for reuse)."""
-        self._lengths[:] = 0
+        self._lengths.fill(0)
+        self._equal_length = 0
+
+    def _check_room_uniform(self, n_new):
+        """_check_room for equal lengths and n_new tokens for every sequence."""
+        if self._equal_length + n_new > self.max_len:
+            self._check_room(np.full(self.batch_size, n_new, dtype=np.int64))
 
     def _check_room(self, counts):
         """Raise, changing nothing, unless every sequence b has room for counts[b] tokens."""
@@ -133,7 +154,7 @@ class KVCache:
         separately (_commit), after success."""
         stop = plan.k_len
         if not plan.ragged:
-            start = int(plan.starts[0])
+            start = plan.start
             self.key[:, :, start:stop] = keys
             self.value[:, :, start:stop] = values
         else:
@@ -143,10 +164,14 @@ class KVCache:
         return self.key[:, :, :stop], self.value[:, :, :stop]
 
     def _commit(self, plan):
-        self._lengths = plan.k_lens.copy()
+        if plan.ragged:
+            self._set_lengths(plan.k_lens.copy())
+        else:
+            self._lengths.fill(plan.k_len)
+            self._equal_length = plan.k_len
 
     def __repr__(self):
-        lengths = (f"length={self.length}" if (self._lengths == self._lengths[0]).all()
+        lengths = (f"length={self._equal_length}" if self._equal_length is not None
                    else f"lengths={self._lengths.tolist()}")
         return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"{lengths}, max_len={self.max_len}, head_dim={self.head_dim}, "

@@ -27,20 +27,40 @@ def check_lengths(lengths, batch, q_len):
 
 class CachePlan:
     """starts, counts, k_lens: int64 (B,); k_len = max(k_lens) (the keys the kernels see);
-    ragged: whether the sequences differ (else one slice and the kernel's uniform path)."""
+    ragged: whether the sequences differ (else one slice and the kernel's uniform path).
+    The common call (equal lengths, no lengths=) is planned with Python ints only: a decode
+    step of a small model takes a few microseconds, and NumPy calls cost about one each."""
 
     def __init__(self, cache, q_len, lengths):
-        batch = cache.batch_size
         self.cache = cache
         self.q_len = q_len
-        self.starts = cache.lengths
-        self.counts = (np.full(batch, q_len, dtype=np.int64) if lengths is None
-                       else check_lengths(lengths, batch, q_len))
-        cache._check_room(self.counts)
-        self.k_lens = self.starts + self.counts
-        self.k_len = int(self.k_lens.max())
-        self.ragged = bool((self.starts != self.starts[0]).any()
-                           or (self.counts != q_len).any())
+        equal = cache._equal_length
+        if lengths is None and equal is not None:
+            cache._check_room_uniform(q_len)
+            self.ragged = False
+            self.start, self.k_len = equal, equal + q_len
+            self._arrays = None
+            return
+        starts = cache.lengths
+        counts = (np.full(cache.batch_size, q_len, dtype=np.int64) if lengths is None
+                  else check_lengths(lengths, cache.batch_size, q_len))
+        cache._check_room(counts)
+        k_lens = starts + counts
+        self.k_len = int(k_lens.max())
+        self.ragged = bool((starts != starts[0]).any() or (counts != q_len).any())
+        self.start = None if self.ragged else int(starts[0])
+        self._arrays = (starts, counts, k_lens)
+
+    def _get(self, i):
+        if self._arrays is None:      # the uniform plan: arrays only when someone asks
+            batch = self.cache.batch_size
+            self._arrays = tuple(np.full(batch, n, dtype=np.int64)
+                                 for n in (self.start, self.q_len, self.k_len))
+        return self._arrays[i]
+
+    starts = property(lambda self: self._get(0), doc="cached tokens per sequence before")
+    counts = property(lambda self: self._get(1), doc="new tokens per sequence")
+    k_lens = property(lambda self: self._get(2), doc="keys per sequence after the call")
 
     def kernel_ragged(self):
         """The attention kernel's `ragged` argument: intp (3, B) query rows, keys and causal
