@@ -233,10 +233,12 @@ def test_unbatched_lengths(rng, impl):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ragged_long_decode_split_k_and_thread_invariance(rng, dtype):
+@pytest.mark.parametrize("window", [None, 1200])
+def test_ragged_long_decode_split_k_and_thread_invariance(rng, dtype, window):
     """Two sequences of 1100 and 1500 cached tokens, MQA: 2 tasks, split-K over each one's
-    own keys; the step is bitwise the same on 1 to 4 threads."""
+    own keys (and window); the step is bitwise the same on 1 to 4 threads."""
     fast, ref = make_pair(rng, 64, 8, dtype, num_kv_heads=1)
+    fast.window = ref.window = window
     lengths = np.array([1100, 1500])
     x = rng.standard_normal((2, 1501, 64)).astype(dtype)
     cache = fast.new_cache(2, 1501)
