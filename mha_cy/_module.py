@@ -4,7 +4,8 @@ import numpy as np
 
 from ._cache import KVCache
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
-                      check_key_padding_mask, check_ndim, float_dtype, positive_int, result_dtype)
+                      check_head_mask, check_key_padding_mask, check_ndim, float_dtype,
+                      positive_int, result_dtype)
 
 
 class MultiHeadAttentionBase:
@@ -131,6 +132,7 @@ class MultiHeadAttentionBase:
         """Store copies of the weights. When kdim == vdim == embed_dim, the q/k/v weights (and
         biases) are views into one packed array, so that self-attention needs one GEMM."""
         self.num_heads, self.num_kv_heads, self.dtype = num_heads, num_kv_heads, dtype
+        self._kv_index = None     # uneven groups only (prune_heads): K/V head of each query head
         self.head_dim = qw.shape[0] // num_heads
         self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
         rows = np.cumsum([0, qw.shape[0], kw.shape[0], vw.shape[0]])
@@ -163,10 +165,25 @@ class MultiHeadAttentionBase:
     v_bias = property(lambda self: self._v_bias)
     out_bias = property(lambda self: self._out_bias)
 
+    @property
+    def kv_head_index(self):
+        """intp (num_heads,): the K/V head each query head reads; h // (num_heads //
+        num_kv_heads) unless prune_heads left uneven groups. A copy."""
+        if self._kv_index is not None:
+            return self._kv_index.copy()
+        return np.arange(self.num_heads) // (self.num_heads // self.num_kv_heads)
+
+    def prune_heads(self, heads):
+        """A new, smaller module without the query heads `heads` (see mha_cy._pruning)."""
+        from ._pruning import prune_heads
+        return prune_heads(self, heads)
+
     def __repr__(self):
+        groups = "" if self._kv_index is None else f", kv_head_index={self._kv_index.tolist()}"
         return (f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
-                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype})")
+                f"num_kv_heads={self.num_kv_heads}{groups}, head_dim={self.head_dim}, "
+                f"kdim={self.kdim}, vdim={self.vdim}, bias={self.out_bias is not None}, "
+                f"dtype={self.dtype})")
 
     def new_cache(self, batch_size, max_len):
         """An empty KV cache for incremental decoding of batch_size sequences up to max_len."""
@@ -174,11 +191,14 @@ class MultiHeadAttentionBase:
                        positive_int(max_len, "max_len"), self.head_dim, self.dtype)
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None):
+                 is_causal=False, need_weights=False, cache=None, head_mask=None):
         """Attend query (B, Lq, E) to key (B, Lk, kdim) / value (B, Lk, vdim); see the class doc.
 
         Returns out (B, Lq, E), or (out, weights) with weights (B, num_heads, Lq, Lk) when
         need_weights. 2-D inputs (one unbatched sequence) give 2-D/3-D results.
+        head_mask: (num_heads,) or (B, num_heads) multipliers of each head's context before
+        the output projection (0 drops the head, as torch/HF head_mask); weights are not
+        multiplied.
         """
         dt = self.dtype
         query = as_float_array(query, "query", dt)
@@ -227,6 +247,8 @@ class MultiHeadAttentionBase:
             key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
         if attn_mask is not None:
             attn_mask = check_attn_mask(attn_mask, B, self.num_heads, Lq, Lk, dt)
+        if head_mask is not None:
+            head_mask = check_head_mask(head_mask, B, self.num_heads, dt)
 
         if 0 in (B, Lq, Lk):        # nothing to compute, or nothing to attend to: zero context
             out = np.zeros((B, Lq, self.embed_dim), dt)
@@ -235,7 +257,7 @@ class MultiHeadAttentionBase:
             weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
         else:
             out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
-                                         attn_mask, is_causal, need_weights, cache)
+                                         attn_mask, is_causal, need_weights, cache, head_mask)
             if cache is not None:
                 cache._commit(Lq)
         if unbatched:
@@ -254,8 +276,10 @@ class MultiHeadAttentionBase:
         check_dim(cache.batch_size, batch, "cache", "batch_size")
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, cache):
+                 is_causal, need_weights, cache, head_mask):
         """out (B, Lq, E) and weights (B, H, Lq, Lk) or None. Inputs are checked 3-D arrays of
         the module dtype; masks as returned by the _checks functions; with a cache, append the
-        new keys/values (cache._write) and attend over all of them (the base commits)."""
+        new keys/values (cache._write) and attend over all of them (the base commits);
+        head_mask None or (1 or B, H), scaling each head's context. Query head h reads K/V
+        head h // group, or self._kv_index[h] when that is not None."""
         raise NotImplementedError

@@ -14,12 +14,13 @@ from ._module import MultiHeadAttentionBase
 __all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention"]
 
 
-def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
+def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, kv_index=None):
     """(out, weights) of softmax(scale * q k^T + mask) v.
 
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D); attn_mask None, bool (True = may attend) or
     additive, broadcastable to (B, Hq, Lq, Lk); key_padding_mask None or bool (B, Lk),
-    True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq.
+    True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq. kv_index: None
+    (query head h reads K/V head h // (Hq / Hkv)) or the K/V head of each query head.
 
     Which keys a row sees is decided by the masks alone: a key is masked by a False in a
     bool mask, by padding, by causality, or by -inf in an additive mask, and a masked key's
@@ -27,9 +28,9 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale):
     zeros, in the output and the weights. In any other row a NaN or +inf that reaches the
     scores (from q, k, the scale or an additive mask) makes the whole row NaN, as in torch.
     """
-    group = q.shape[1] // k.shape[1]
-    k = np.repeat(k, group, axis=1)          # query head h reads key/value head h // group
-    v = np.repeat(v, group, axis=1)
+    if kv_index is None:
+        kv_index = np.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    k, v = k[:, kv_index], v[:, kv_index]    # query head h reads key/value head kv_index[h]
     # float(): a NumPy float64 scale (1 / np.sqrt(D)) would promote float32 scores, and with
     # them the output and weights, to float64 (NEP 50); the result must keep q's dtype.
     scores = (q @ k.swapaxes(-1, -2)) * float(scale)
@@ -70,7 +71,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     """Multi-head attention in plain NumPy; see mha_cy.MultiHeadAttention."""
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, cache):
+                 is_causal, need_weights, cache, head_mask):
         batch, q_len, _ = query.shape
 
         def project(x, weight, bias, heads):       # (B, L, in) -> (B, heads, L, head_dim)
@@ -85,7 +86,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         if cache is not None:
             k, v = cache._write(k, v)
         context, weights = _attention(q, k, v, attn_mask, key_padding_mask, is_causal,
-                                      1.0 / np.sqrt(self.head_dim))
+                                      1.0 / np.sqrt(self.head_dim), self._kv_index)
+        if head_mask is not None:                  # (B, H, Lq, D) * (B, H, 1, 1)
+            context = context * head_mask[:, :, None, None]
         # concatenate the heads, then mix them with the output projection
         context = context.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
         out = context @ self.out_weight.T
