@@ -2,6 +2,7 @@
 the KV cache bookkeeping. The computation itself is each subclass's `_forward`."""
 import numpy as np
 
+from . import _weights_io
 from ._cache import KVCache
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
                       check_head_mask, check_key_padding_mask, check_ndim, float_dtype,
@@ -119,6 +120,50 @@ class MultiHeadAttentionBase:
                                 v_bias=v_bias, out_bias=param("out_proj.bias", module.out_proj.bias),
                                 dtype=dtype)
 
+    @classmethod
+    def from_state_dict(cls, state, layout, *, num_heads, num_kv_heads=None, prefix="",
+                        rope=None, window=None, dtype=None):
+        """A module with the weights of one attention layer of another library's state dict.
+
+        state: a mapping name -> array (NumPy arrays or torch tensors of any dtype, device or
+        strides; keys that do not start with prefix, or that the layout does not read, are
+        ignored, so a whole model's state dict works), or a path (str or pathlib.Path) to a
+        .safetensors file (needs the safetensors package) or an .npz file.
+        layout and the names it reads after prefix:
+          "torch": in_proj_weight (or q_proj_weight, k_proj_weight, v_proj_weight),
+                   in_proj_bias, out_proj.weight, out_proj.bias (nn.MultiheadAttention)
+          "bert":  self.query/.key/.value.weight/.bias, output.dense.weight/.bias (BERT,
+                   RoBERTa, MiniLM; prefix e.g. "encoder.layer.0.attention."; the LayerNorm
+                   and residual of output stay outside)
+          "gpt2":  c_attn.weight (in, 3 * out) and .bias, c_proj.weight (in, out) and .bias
+                   (Conv1D, transposed here; GPT-2 attention is causal: call with is_causal)
+          "llama": q_proj, k_proj, v_proj, o_proj .weight, each optional .bias (Llama,
+                   Mistral, Qwen2)
+        num_kv_heads: None = read off the key projection's rows (GQA models need no extra
+        argument); given, it is checked. rope, window: passed to from_weights when not None.
+        dtype as in from_weights. A missing key raises KeyError naming the full key and listing
+        the keys found under prefix; a misshapen array ValueError with both shapes.
+        """
+        return _weights_io.from_state_dict(cls, state, layout, num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads, prefix=prefix, rope=rope,
+                                           window=window, dtype=dtype)
+
+    def save(self, path):
+        """Write the weights and configuration (dtype, heads, rope, window) to an .npz file
+        at exactly path (or into a binary file object); MultiHeadAttention.load reads it."""
+        _weights_io.save(self, path)
+
+    @classmethod
+    def load(cls, path):
+        """A module from a file written by save() (read with allow_pickle=False)."""
+        return _weights_io.load(cls, path)
+
+    def __getstate__(self):         # pickling keeps the q/k/v views into the packed arrays
+        return _weights_io.getstate(self)
+
+    def __setstate__(self, state):
+        _weights_io.setstate(self, state)
+
     @staticmethod
     def _check_kv_heads(num_kv_heads, num_heads):
         if num_kv_heads is None:
@@ -137,7 +182,7 @@ class MultiHeadAttentionBase:
         self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
         rows = np.cumsum([0, qw.shape[0], kw.shape[0], vw.shape[0]])
         if self.kdim == self.vdim == self.embed_dim:
-            self.in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype)
+            self.in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype, order="C")
             self._q_weight, self._k_weight, self._v_weight = (
                 self.in_proj_weight[a:b] for a, b in zip(rows[:-1], rows[1:]))
         else:
