@@ -56,7 +56,13 @@ def prune_heads(mha, heads):
     keep = np.setdiff1d(np.arange(mha.num_heads), pruned)
     kv_of_kept = mha.kv_head_index[keep]
     keep_kv = np.unique(kv_of_kept)
-    kv_index = np.searchsorted(keep_kv, kv_of_kept).astype(np.intp)
+    return _rebuild(mha, keep, keep_kv, np.searchsorted(keep_kv, kv_of_kept))
+
+
+def _rebuild(mha, keep, keep_kv, kv_index):
+    """A copy of mha with only the query heads `keep` and K/V heads `keep_kv` (sorted index
+    arrays), query head i of the copy reading its K/V head kv_index[i]. Every other attribute
+    (a rotary embedding, a window, ...) is carried over as it is."""
     d = mha.head_dim
     q_rows, kv_rows = _head_rows(keep, d), _head_rows(keep_kv, d)
 
@@ -64,13 +70,25 @@ def prune_heads(mha, heads):
         return None if a is None else a[r]
 
     new = type(mha).__new__(type(mha))
+    new.__dict__.update(mha.__dict__)         # _setup replaces every weight and head count
     new._setup(keep.size, keep_kv.size, mha.dtype, mha.q_weight[q_rows],
                mha.k_weight[kv_rows], mha.v_weight[kv_rows], mha.out_weight[:, q_rows],
                rows(mha.q_bias, q_rows), rows(mha.k_bias, kv_rows), rows(mha.v_bias, kv_rows),
                mha.out_bias)
+    kv_index = np.asarray(kv_index, dtype=np.intp)
     group = keep.size // keep_kv.size
     even = keep.size % keep_kv.size == 0 and np.array_equal(
         kv_index, np.arange(keep.size) // group)
     if not even:
         new._kv_index = kv_index
     return new
+
+
+def regroup(mha, kv_index):
+    """mha (an MHA module whose K/V head h is the one query head h reads) with K/V heads
+    shared as kv_index says: K/V head g keeps the weights of the first query head that reads
+    it. How load() rebuilds a pruned module with uneven groups through from_weights."""
+    kv_index = np.asarray(kv_index, dtype=np.intp)
+    n_kv = int(kv_index.max()) + 1
+    first = np.array([np.flatnonzero(kv_index == g)[0] for g in range(n_kv)])
+    return _rebuild(mha, np.arange(mha.num_heads), first, kv_index)

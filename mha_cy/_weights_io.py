@@ -322,6 +322,8 @@ def _config(module):
     window = getattr(module, "window", None)
     if window is not None:
         config["window"] = int(window)
+    if getattr(module, "_kv_index", None) is not None:     # uneven groups (prune_heads)
+        config["kv_head_index"] = module._kv_index.tolist()
     return config
 
 
@@ -358,9 +360,30 @@ def load(cls, path):
     if "window" in config:
         extra["window"] = config["window"]
     weights = [arrays.pop(name) for name in _WEIGHTS]
-    return cls.from_weights(*weights, num_heads=config["num_heads"],
-                            num_kv_heads=config["num_kv_heads"], dtype=config["dtype"],
-                            **arrays, **extra)
+    kv_index = config.get("kv_head_index")
+    if kv_index is None:
+        return cls.from_weights(*weights, num_heads=config["num_heads"],
+                                num_kv_heads=config["num_kv_heads"], dtype=config["dtype"],
+                                **arrays, **extra)
+    # uneven groups: from_weights checks an MHA module with each K/V head repeated per query
+    # head, which regroup() then shares again
+    from ._pruning import regroup
+    kv_index = np.asarray(kv_index, dtype=np.intp)
+    if (kv_index.shape != (config["num_heads"],) or kv_index.min() < 0
+            or np.unique(kv_index).size != config["num_kv_heads"]
+            or kv_index.max() != config["num_kv_heads"] - 1):
+        raise ValueError(f"{path!r} has kv_head_index {kv_index.tolist()}, which does not map "
+                         f"{config['num_heads']} query heads onto {config['num_kv_heads']} "
+                         "K/V heads")
+    d = weights[0].shape[0] // config["num_heads"]
+    rows = (kv_index[:, None] * d + np.arange(d)).ravel()
+    for i in (1, 2):
+        weights[i] = weights[i][rows]
+    for name in ("k_bias", "v_bias"):
+        if name in arrays:
+            arrays[name] = arrays[name][rows]
+    return regroup(cls.from_weights(*weights, num_heads=config["num_heads"],
+                                    dtype=config["dtype"], **arrays, **extra), kv_index)
 
 
 # ---------------------------------------------------------------------------------------------

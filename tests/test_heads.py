@@ -307,3 +307,20 @@ def test_kernel_kv_index_errors():
     with pytest.raises(ValueError, match=r"kv_index\[1\] = 2 is not a K/V head in \[0, 2\)"):
         _attention_kernel.attention(q, k, v, out, None, None, False, 1.0, None, 1,
                                     np.array([0, 2, 1], np.intp))
+
+
+@pytest.mark.parametrize("cls", [mha_cy.MultiHeadAttention, reference.MultiHeadAttention])
+@pytest.mark.parametrize("pruned", [[1, 5, 6], [1, 2], [0, 1, 4, 5]])
+def test_pruned_modules_save_load_and_pickle(rng, tmp_path, cls, pruned):
+    """Uneven groups survive save/load and pickle (8 query / 2 K/V heads without heads 1 and
+    2 leaves 6 and 2: divisible, but groups of 2 and 4, not 3 and 3)."""
+    import pickle
+    full = cls.from_weights(**weights_of(rng, 64, 8, 2), dtype=np.float64)
+    small = full.prune_heads(pruned)
+    x = rng.standard_normal((2, 5, 64))
+    path = tmp_path / "small.npz"
+    small.save(path)
+    for copy in (cls.load(path), pickle.loads(pickle.dumps(small))):
+        np.testing.assert_array_equal(copy.kv_head_index, small.kv_head_index)
+        assert copy.num_kv_heads == small.num_kv_heads
+        np.testing.assert_array_equal(copy(x), small(x))
