@@ -324,3 +324,12 @@ def test_pruned_modules_save_load_and_pickle(rng, tmp_path, cls, pruned):
         np.testing.assert_array_equal(copy.kv_head_index, small.kv_head_index)
         assert copy.num_kv_heads == small.num_kv_heads
         np.testing.assert_array_equal(copy(x), small(x))
+
+
+@pytest.mark.parametrize("cls", [mha_cy.MultiHeadAttention, reference.MultiHeadAttention])
+def test_pruning_a_cross_attention_module_without_bias(rng, cls):
+    mha = cls(32, 4, num_kv_heads=2, kdim=12, vdim=20, bias=False, seed=0, dtype=np.float64)
+    small = mha.prune_heads([1])
+    assert small.out_bias is None and (small.kdim, small.vdim) == (12, 20)
+    x, k, v = (rng.standard_normal((2, n, e)) for n, e in ((5, 32), (6, 12), (6, 20)))
+    assert_close(small(x, k, v), mha(x, k, v, head_mask=np.array([1.0, 0.0, 1.0, 1.0])))
