@@ -15,6 +15,9 @@ Layout of the package (one job per file):
   _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
   _threads.py             the thread-count contract; BLAS held to one thread inside kernels
   _build_info.py          build_info(): version, OpenMP, threads, BLAS, SIMD level
+  _pruning.py             prune_heads: a smaller module without some query heads (GQA-aware)
+  analysis.py             head_stats, rank_heads: what each head does, which heads matter
+  plotting.py             plot_heads: per-head heatmaps (matplotlib, imported when drawing)
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
@@ -25,7 +28,9 @@ from ._cache import KVCache
 from ._threads import get_num_threads, set_num_threads, threads
 from ._build_info import build_info
 from .attention import MultiHeadAttention, scaled_dot_product_attention
-from . import reference
+from .plotting import plot_heads
+from . import analysis, reference
 
 __all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention", "reference",
-           "set_num_threads", "get_num_threads", "threads", "build_info", "__version__"]
+           "set_num_threads", "get_num_threads", "threads", "build_info", "plot_heads",
+           "analysis", "__version__"]

@@ -1,5 +1,6 @@
 """python -m mha_cy: show the build, run one attention layer through mha_cy and the NumPy
-baseline, check that they agree and compare their speed."""
+baseline, check that they agree and compare their speed.
+python -m mha_cy heads SENTENCE: draw a real model's attention heads (mha_cy/_heads_cli.py)."""
 import argparse
 import contextlib
 import statistics
@@ -22,7 +23,9 @@ def _parse_args(argv):
                     "(default: BERT-base size, batch 1 x 128 tokens, d_model 768, 12 heads) "
                     "through mha_cy and through the pure-NumPy baseline (mha_cy.reference) "
                     "with the same random weights; check that the outputs agree and print the "
-                    "median time of each and the speedup. Exit status 1 if they disagree.")
+                    "median time of each and the speedup. Exit status 1 if they disagree.",
+        epilog="python -m mha_cy heads SENTENCE [--layer N] [--out PATH] draws the attention "
+               "heads of a real sentence model instead (see python -m mha_cy heads --help).")
     parser.add_argument("--batch", type=int, default=1, help="sequences per call (default 1)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--embed-dim", type=int, default=768, help="d_model (default 768)")
@@ -72,6 +75,10 @@ def _format_time(seconds):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["heads"]:               # the subcommand; everything else is the main job
+        from ._heads_cli import main as heads_main
+        return heads_main(argv[1:])
     args = _parse_args(argv)
     dtype = np.dtype(args.dtype).type
     with threads(args.threads) if args.threads else contextlib.nullcontext():

@@ -8,7 +8,8 @@ columns of the context (B*L, Hq * Dv): the concatenation of the heads costs noth
 Work is cut into tasks, shared dynamically by the threads (causal tasks differ in size):
 - normal: one task = one block of BLOCK_Q query rows of one (batch, query head);
 - decode (Lq == 1 with grouped K/V): one task = one (batch, KV head), its rows the query heads
-  of the group, so the shared K/V head is streamed once for all of them.
+  of the group, so the shared K/V head is streamed once for all of them (uneven groups of a
+  pruned module too: kv_index).
 A task walks K/V in tiles of BLOCK_K keys: S = scale * Q K^T (BLAS), then per row the masks and
 the online softmax (src/attention_tile.c), then acc += P V (BLAS). Only one S tile per thread
 exists at a time: extra memory is O(threads * BLOCK_Q * BLOCK_K), not O(Lq * Lk).
@@ -28,6 +29,8 @@ from libc.string cimport memset
 from libc.math cimport INFINITY, exp
 from cython cimport floating
 from cython.parallel cimport parallel, prange
+
+import numpy as np
 
 from ._cython_blas cimport _gemm, NoTrans, Trans
 
@@ -126,6 +129,11 @@ cdef struct Problem:
     bint heads_as_rows            # decode tasks (see module docstring)
     Py_ssize_t block_q, block_k   # query rows per normal task, keys per score tile
     Py_ssize_t q_blocks           # query blocks per (batch, head) in normal tasks
+    # Uneven groups (a pruned GQA module): query head h reads K/V head kv_index[h], and K/V
+    # head g's query heads are [group_start[g], group_start[g + 1]) (decode tasks). NULL:
+    # the even groups of GQA, h // group (no lookup on the common path).
+    const Py_ssize_t *kv_index
+    const Py_ssize_t *group_start
 
 
 cdef struct Task:
@@ -149,9 +157,13 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
     if p.heads_as_rows:
         task.b = t // p.kv_heads
         task.kv_head = t % p.kv_heads
-        task.h0 = task.kv_head * p.group
+        if p.group_start == NULL:
+            task.h0 = task.kv_head * p.group
+            task.rows = p.group
+        else:
+            task.h0 = p.group_start[task.kv_head]
+            task.rows = p.group_start[task.kv_head + 1] - task.h0
         task.i0 = 0
-        task.rows = p.group
         task.dh = 1
         task.di = 0
     else:
@@ -162,7 +174,7 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
         task.rows = min(p.block_q, p.q_len - task.i0)
         task.dh = 0
         task.di = 1
-        task.kv_head = task.h0 // p.group
+        task.kv_head = task.h0 // p.group if p.kv_index == NULL else p.kv_index[task.h0]
     k_len = p.k_len
     if p.q_lens != NULL:      # a ragged batch: this sequence's rows and keys only
         if p.heads_as_rows:   # (rows are heads of its one query)
@@ -440,10 +452,37 @@ cdef inline int _team(int n_threads, Py_ssize_t n_tasks, double flops) noexcept:
                             <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
 
 
+def _group_starts(const Py_ssize_t[::1] kv_index, Py_ssize_t q_heads, Py_ssize_t kv_heads):
+    """Check kv_index (a K/V head in [0, kv_heads) per query head); return the first query
+    head of each K/V head and q_heads after them, (kv_heads + 1,), when each K/V head's query
+    heads are consecutive and in order (a pruned module's are); else None."""
+    cdef Py_ssize_t h, g
+    if kv_index.shape[0] != q_heads:
+        raise ValueError(f"kv_index has {kv_index.shape[0]} entries; expected one per query "
+                         f"head ({q_heads})")
+    for h in range(q_heads):
+        if not 0 <= kv_index[h] < kv_heads:
+            raise ValueError(f"kv_index[{h}] = {kv_index[h]} is not a K/V head in "
+                             f"[0, {kv_heads})")
+    starts = np.zeros(kv_heads + 1, dtype=np.intp)
+    cdef Py_ssize_t[::1] s = starts
+    g = 0           # the K/V head of query head h must be g (same) or g + 1 (next)
+    for h in range(q_heads):
+        if kv_index[h] == g + 1 and h > 0:
+            g += 1
+            s[g] = h
+        elif kv_index[h] != g:
+            return None
+    if g != kv_heads - 1:
+        return None
+    s[kv_heads] = q_heads
+    return starts
+
+
 def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
               const floating[:, :, :, :] v, floating[:, :, :, :] out,
               mask, pad, bint causal, floating scale, weights, int n_threads,
-              Py_ssize_t window=0, ragged=None):
+              Py_ssize_t window=0, ragged=None, kv_index=None):
     """out := softmax(scale * q k^T + mask) v per (batch, head), in place.
 
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv): strided views
@@ -456,6 +495,9 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     key tiles outside every row's window are never read. ragged: None or an intp (3, B) array
     of each sequence's query rows, keys and causal offset (a ragged cache batch): sequence b
     then reads only its first keys, and its query rows past its count are not written.
+    kv_index: None (query head h reads K/V head h // (Hq / Hkv)) or an intp (Hq,) array of
+    K/V head indices (uneven groups, a pruned module); when it is non-decreasing and uses
+    every K/V head, decode steps still stream each K/V head once for its query heads.
     """
     cdef Problem p
     cdef Py_ssize_t isz = sizeof(floating)
@@ -485,7 +527,20 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
         p.q_lens = &ragged_view[0, 0]
         p.k_lens = &ragged_view[1, 0]
         p.offsets = &ragged_view[2, 0]
-    p.heads_as_rows = p.q_len == 1 and p.group > 1
+    p.kv_index = p.group_start = NULL
+    cdef const Py_ssize_t[::1] kv_view
+    cdef Py_ssize_t[::1] starts
+    cdef Py_ssize_t max_group = p.group, g
+    if kv_index is not None:
+        kv_view = kv_index
+        starts = _group_starts(kv_view, p.q_heads, p.kv_heads)
+        p.kv_index = &kv_view[0]
+        max_group = 1
+        if starts is not None:
+            p.group_start = &starts[0]
+            for g in range(p.kv_heads):
+                max_group = max(max_group, starts[g + 1] - starts[g])
+    p.heads_as_rows = p.q_len == 1 and max_group > 1
     # tiles no larger than the problem: short sequences get small per-thread scratch
     p.block_q, p.block_k = min(BLOCK_Q, max(p.q_len, 1)), min(BLOCK_K, max(p.k_len, 1))
     p.q_blocks = (p.q_len + p.block_q - 1) // p.block_q
@@ -527,7 +582,7 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     if p.window > 0 and p.window < p.k_len:     # rows see at most window keys
         flops *= <double> p.window / p.k_len
     cdef int team = _team(n_threads, n_tasks, flops)
-    cdef Py_ssize_t max_rows = p.group if p.heads_as_rows else p.block_q
+    cdef Py_ssize_t max_rows = max_group if p.heads_as_rows else p.block_q
     cdef Py_ssize_t bk = p.block_k
     cdef const floating *q_ptr = &q[0, 0, 0, 0]
     cdef const floating *k_ptr = &k[0, 0, 0, 0]

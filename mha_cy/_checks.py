@@ -129,6 +129,20 @@ def check_attn_mask(mask, batch, heads, q_len, k_len, dtype):
     return arr4
 
 
+def check_head_mask(mask, batch, heads, dtype):
+    """head_mask as a (1 or batch, heads) array of dtype: a multiplier of each head's context.
+
+    Accepted: (num_heads,) for every sequence, or (batch, num_heads) per sequence.
+    """
+    arr = as_float_array(mask, "head_mask", dtype)
+    if arr.shape == (heads,):
+        return arr[None]
+    if arr.shape != (batch, heads):
+        raise ValueError(f"head_mask must have shape (num_heads,) = ({heads},) or "
+                         f"(batch, num_heads) = {(batch, heads)}; got {arr.shape}")
+    return arr
+
+
 def check_scale(scale, head_dim):
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim))     # a Python float, like an explicit scale

@@ -2,10 +2,12 @@
 the KV cache bookkeeping. The computation itself is each subclass's `_forward`."""
 import numpy as np
 
+from . import _weights_io
 from ._cache import KVCache
 from ._call_plan import CachePlan
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
-                      check_key_padding_mask, check_ndim, float_dtype, positive_int, result_dtype)
+                      check_head_mask, check_key_padding_mask, check_ndim, float_dtype,
+                      positive_int, result_dtype)
 from ._window import check_window, require_causal
 
 
@@ -127,6 +129,50 @@ class MultiHeadAttentionBase:
                                 v_bias=v_bias, out_bias=param("out_proj.bias", module.out_proj.bias),
                                 dtype=dtype)
 
+    @classmethod
+    def from_state_dict(cls, state, layout, *, num_heads, num_kv_heads=None, prefix="",
+                        rope=None, window=None, dtype=None):
+        """A module with the weights of one attention layer of another library's state dict.
+
+        state: a mapping name -> array (NumPy arrays or torch tensors of any dtype, device or
+        strides; keys that do not start with prefix, or that the layout does not read, are
+        ignored, so a whole model's state dict works), or a path (str or pathlib.Path) to a
+        .safetensors file (needs the safetensors package) or an .npz file.
+        layout and the names it reads after prefix:
+          "torch": in_proj_weight (or q_proj_weight, k_proj_weight, v_proj_weight),
+                   in_proj_bias, out_proj.weight, out_proj.bias (nn.MultiheadAttention)
+          "bert":  self.query/.key/.value.weight/.bias, output.dense.weight/.bias (BERT,
+                   RoBERTa, MiniLM; prefix e.g. "encoder.layer.0.attention."; the LayerNorm
+                   and residual of output stay outside)
+          "gpt2":  c_attn.weight (in, 3 * out) and .bias, c_proj.weight (in, out) and .bias
+                   (Conv1D, transposed here; GPT-2 attention is causal: call with is_causal)
+          "llama": q_proj, k_proj, v_proj, o_proj .weight, each optional .bias (Llama,
+                   Mistral, Qwen2)
+        num_kv_heads: None = read off the key projection's rows (GQA models need no extra
+        argument); given, it is checked. rope, window: passed to from_weights when not None.
+        dtype as in from_weights. A missing key raises KeyError naming the full key and listing
+        the keys found under prefix; a misshapen array ValueError with both shapes.
+        """
+        return _weights_io.from_state_dict(cls, state, layout, num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads, prefix=prefix, rope=rope,
+                                           window=window, dtype=dtype)
+
+    def save(self, path):
+        """Write the weights and configuration (dtype, heads, rope, window) to an .npz file
+        at exactly path (or into a binary file object); MultiHeadAttention.load reads it."""
+        _weights_io.save(self, path)
+
+    @classmethod
+    def load(cls, path):
+        """A module from a file written by save() (read with allow_pickle=False)."""
+        return _weights_io.load(cls, path)
+
+    def __getstate__(self):         # pickling keeps the q/k/v views into the packed arrays
+        return _weights_io.getstate(self)
+
+    def __setstate__(self, state):
+        _weights_io.setstate(self, state)
+
     @staticmethod
     def _check_kv_heads(num_kv_heads, num_heads):
         if num_kv_heads is None:
@@ -140,11 +186,12 @@ class MultiHeadAttentionBase:
         """Store copies of the weights. When kdim == vdim == embed_dim, the q/k/v weights (and
         biases) are views into one packed array, so that self-attention needs one GEMM."""
         self.num_heads, self.num_kv_heads, self.dtype = num_heads, num_kv_heads, dtype
+        self._kv_index = None     # uneven groups only (prune_heads): K/V head of each query head
         self.head_dim = qw.shape[0] // num_heads
         self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
         rows = np.cumsum([0, qw.shape[0], kw.shape[0], vw.shape[0]])
         if self.kdim == self.vdim == self.embed_dim:
-            self.in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype)
+            self.in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype, order="C")
             self._q_weight, self._k_weight, self._v_weight = (
                 self.in_proj_weight[a:b] for a, b in zip(rows[:-1], rows[1:]))
         else:
@@ -172,10 +219,25 @@ class MultiHeadAttentionBase:
     v_bias = property(lambda self: self._v_bias)
     out_bias = property(lambda self: self._out_bias)
 
+    @property
+    def kv_head_index(self):
+        """intp (num_heads,): the K/V head each query head reads; h // (num_heads //
+        num_kv_heads) unless prune_heads left uneven groups. A copy."""
+        if self._kv_index is not None:
+            return self._kv_index.copy()
+        return np.arange(self.num_heads) // (self.num_heads // self.num_kv_heads)
+
+    def prune_heads(self, heads):
+        """A new, smaller module without the query heads `heads` (see mha_cy._pruning)."""
+        from ._pruning import prune_heads
+        return prune_heads(self, heads)
+
     def __repr__(self):
+        groups = "" if self._kv_index is None else f", kv_head_index={self._kv_index.tolist()}"
         return (f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
-                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype}"
+                f"num_kv_heads={self.num_kv_heads}{groups}, head_dim={self.head_dim}, "
+                f"kdim={self.kdim}, vdim={self.vdim}, bias={self.out_bias is not None}, "
+                f"dtype={self.dtype}"
                 + ("" if self.window is None else f", window={self.window}") + ")")
 
     def new_cache(self, batch_size, max_len):
@@ -184,11 +246,15 @@ class MultiHeadAttentionBase:
                        positive_int(max_len, "max_len"), self.head_dim, self.dtype)
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None, lengths=None):
+                 is_causal=False, need_weights=False, cache=None, lengths=None,
+                 head_mask=None):
         """Attend query (B, Lq, E) to key (B, Lk, kdim) / value (B, Lk, vdim); see the class doc.
 
         Returns out (B, Lq, E), or (out, weights) with weights (B, num_heads, Lq, Lk) when
         need_weights. 2-D inputs (one unbatched sequence) give 2-D/3-D results.
+        head_mask: (num_heads,) or (B, num_heads) multipliers of each head's context before
+        the output projection (0 drops the head, as torch/HF head_mask); weights are not
+        multiplied.
         """
         dt = self.dtype
         query = as_float_array(query, "query", dt)
@@ -243,6 +309,8 @@ class MultiHeadAttentionBase:
             key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
         if attn_mask is not None:
             attn_mask = check_attn_mask(attn_mask, B, self.num_heads, Lq, Lk, dt)
+        if head_mask is not None:
+            head_mask = check_head_mask(head_mask, B, self.num_heads, dt)
 
         if 0 in (B, Lq, Lk):        # nothing to compute, or nothing to attend to: zero context
             out = np.zeros((B, Lq, self.embed_dim), dt)
@@ -251,7 +319,7 @@ class MultiHeadAttentionBase:
             weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
         else:
             out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
-                                         attn_mask, is_causal, need_weights, plan)
+                                         attn_mask, is_causal, need_weights, plan, head_mask)
         if plan is not None:
             plan.zero_padding(out, weights)
             plan.commit()
@@ -271,9 +339,11 @@ class MultiHeadAttentionBase:
         check_dim(cache.batch_size, batch, "cache", "batch_size")
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, plan):
+                 is_causal, need_weights, plan, head_mask):
         """out (B, Lq, E) and weights (B, H, Lq, Lk) or None. Inputs are checked 3-D arrays of
         the module dtype; masks as returned by the _checks functions; with a cache, plan is its
         CachePlan: append the new keys/values (plan.write) and attend over each sequence's own
-        keys (the base zeroes the padding rows and commits). self.window applies."""
+        keys (the base zeroes the padding rows and commits). self.window applies. head_mask
+        None or (1 or B, H), scaling each head's context. Query head h reads K/V head
+        h // group, or self._kv_index[h] when that is not None."""
         raise NotImplementedError

@@ -62,17 +62,18 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
 
 
 def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads,
-            window=None, ragged=None):
+            window=None, ragged=None, kv_index=None):
     """out[...] = attention of q over k, v ((B, H, L, D) views as _blas_operand returns them),
     weights filled if given; window: None or an int (with is_causal); ragged: the kernel's
-    per-sequence counts (CachePlan.kernel_ragged) or None."""
+    per-sequence counts (CachePlan.kernel_ragged) or None; kv_index: the K/V head of each
+    query head, None = even groups."""
     _check_32_bit_sizes(q, k, weights)
     add = pad = None
     if attn_mask is not None or key_padding_mask is not None:
         add, pad = _kernel_masks(attn_mask, key_padding_mask,
                                  q.shape[:3] + (k.shape[2],), q.dtype)
     _attention_kernel.attention(q, k, v, out, add, pad, is_causal, scale, weights, n_threads,
-                                window or 0, ragged)
+                                window or 0, ragged, kv_index)
 
 
 def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
@@ -138,18 +139,22 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     - lengths: int (B,), with a cache (ragged batches of right-padded prompts): sequence b
       appends only its first lengths[b] tokens, at its own position cache.lengths[b], and
       attends to its own tokens; its output rows past lengths[b] are 0 (no bias).
+    - head_mask: (num_heads,) or (B, num_heads) multipliers of each head's context before W_O
+      (0 drops the head); the returned weights are not multiplied. prune_heads(heads) removes
+      heads for good (a smaller, faster module with the same output as zeros in head_mask).
     Weights are nn.Linear-shaped (out_features, in_features): q_weight, k_weight, v_weight,
     out_weight, q_bias, ... (the q/k/v ones are views of in_proj_weight when kdim == vdim ==
     embed_dim). Output dtype is the module dtype (float32 or float64); other inputs are converted.
     """
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None, lengths=None):
+                 is_causal=False, need_weights=False, cache=None, lengths=None, head_mask=None):
         # The common call, mha(x) or mha(x, is_causal=True) on a 3-D array of the module's
         # dtype, has nothing to check but the array itself: it skips the general argument
         # handling (about a quarter of a tiny layer's time). Everything else takes that path.
         if (key is None and value is None and key_padding_mask is None and attn_mask is None
                 and cache is None and lengths is None and need_weights is False
+                and head_mask is None
                 and (is_causal is True or (is_causal is False and self.window is None))
                 and type(query) is np.ndarray and query.ndim == 3
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
@@ -157,7 +162,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             return self._self_attention(query, is_causal)
         return super().__call__(query, key, value, key_padding_mask=key_padding_mask,
                                 attn_mask=attn_mask, is_causal=is_causal,
-                                need_weights=need_weights, cache=cache, lengths=lengths)
+                                need_weights=need_weights, cache=cache, lengths=lengths,
+                                head_mask=head_mask)
 
     def _self_attention(self, x, is_causal):
         """Self-attention of a checked, non-empty (B, L, E) array: one QKV projection, the
@@ -175,11 +181,11 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                         qkv[:, heads + kv_heads:],
                                         _split_heads(context, heads, d), None, None,
                                         is_causal, 1.0 / math.sqrt(d), None, n_threads,
-                                        self.window or 0)
+                                        self.window or 0, None, self._kv_index)
             return _linear(context, self.out_weight, self.out_bias, n_threads)
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, plan):
+                 is_causal, need_weights, plan, head_mask):
         batch, q_len, _ = query.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_q = heads * d
@@ -213,6 +219,10 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             if need_weights:
                 weights = alloc((batch, heads, q_len, k.shape[2]), dtype=self.dtype)
             _attend(q, k, v, _split_heads(context, heads, d), attn_mask, key_padding_mask,
-                    is_causal, 1.0 / math.sqrt(d), weights, n_threads, self.window, ragged)
+                    is_causal, 1.0 / math.sqrt(d), weights, n_threads, self.window, ragged,
+                    self._kv_index)
+            if head_mask is not None:     # one pass over the context: (B, L, H, D) * (B, 1, H, 1)
+                heads_view = context.reshape(batch, q_len, heads, d)
+                np.multiply(heads_view, head_mask[:, None, :, None], out=heads_view)
             out = _linear(context, self.out_weight, self.out_bias, n_threads)
         return out, weights

@@ -15,13 +15,15 @@ from ._window import check_window, require_causal
 __all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention"]
 
 
-def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=None):
+def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=None,
+               kv_index=None):
     """(out, weights) of softmax(scale * q k^T + mask) v.
 
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D); attn_mask None, bool (True = may attend) or
     additive, broadcastable to (B, Hq, Lq, Lk); key_padding_mask None or bool (B, Lk),
     True = ignore the key; is_causal: query i sees keys j <= i + Lk - Lq; window (with
-    is_causal): and only keys j > i + Lk - Lq - window.
+    is_causal): and only keys j > i + Lk - Lq - window. kv_index: None (query head h reads
+    K/V head h // (Hq / Hkv)) or the K/V head of each query head.
 
     Which keys a row sees is decided by the masks alone: a key is masked by a False in a
     bool mask, by padding, by causality, or by -inf in an additive mask, and a masked key's
@@ -29,9 +31,9 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=No
     zeros, in the output and the weights. In any other row a NaN or +inf that reaches the
     scores (from q, k, the scale or an additive mask) makes the whole row NaN, as in torch.
     """
-    group = q.shape[1] // k.shape[1]
-    k = np.repeat(k, group, axis=1)          # query head h reads key/value head h // group
-    v = np.repeat(v, group, axis=1)
+    if kv_index is None:
+        kv_index = np.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    k, v = k[:, kv_index], v[:, kv_index]    # query head h reads key/value head kv_index[h]
     # float(): a NumPy float64 scale (1 / np.sqrt(D)) would promote float32 scores, and with
     # them the output and weights, to float64 (NEP 50); the result must keep q's dtype.
     scores = (q @ k.swapaxes(-1, -2)) * float(scale)
@@ -73,7 +75,8 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     return _attention(q, k, v, attn_mask, None, is_causal, scale, window)[0]
 
 
-def _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale, window, plan):
+def _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale, window, plan,
+                      kv_index=None):
     """_attention of a ragged cache batch: each sequence on its own, over its own new queries
     and keys (so causally at its own positions); padding query rows stay 0."""
     B, H, Lq, _ = q.shape
@@ -88,7 +91,7 @@ def _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale, window, plan)
         mask = None if attn_mask is None else attn_mask[b:b + 1, :, :n, :kl]
         pad = None if key_padding_mask is None else key_padding_mask[b:b + 1, :kl]
         o, w = _attention(q[b:b + 1, :, :n], k[b:b + 1, :, :kl], v[b:b + 1, :, :kl], mask, pad,
-                          True, scale, window)
+                          True, scale, window, kv_index)
         out[b, :, :n], weights[b, :, :n, :kl] = o[0], w[0]
     return out, weights
 
@@ -97,7 +100,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     """Multi-head attention in plain NumPy; see mha_cy.MultiHeadAttention."""
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, plan):
+                 is_causal, need_weights, plan, head_mask):
         batch, q_len, _ = query.shape
 
         def project(x, weight, bias, heads):       # (B, L, in) -> (B, heads, L, head_dim)
@@ -114,10 +117,12 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             k, v = plan.write(k, v)
         if plan is not None and plan.ragged:
             context, weights = _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale,
-                                                 self.window, plan)
+                                                 self.window, plan, self._kv_index)
         else:
             context, weights = _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                                          self.window)
+                                          self.window, self._kv_index)
+        if head_mask is not None:                  # (B, H, Lq, D) * (B, H, 1, 1)
+            context = context * head_mask[:, :, None, None]
         # concatenate the heads, then mix them with the output projection
         context = context.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
         out = context @ self.out_weight.T
