@@ -178,8 +178,9 @@ def _heads(q_rows, k_rows, q_key, k_key, num_heads, num_kv_heads):
     return head_dim, num_kv_heads
 
 
-def _linear_layout(s, names, num_heads, num_kv_heads, biases_required, same_input):
-    """Four nn.Linear layers named names = (q, k, v, out), each with .weight / .bias."""
+def _linear_layout(s, names, num_heads, num_kv_heads, biases_required):
+    """Four nn.Linear layers named names = (q, k, v, out), each with .weight / .bias, all
+    reading the same input (self-attention layers: kdim = vdim = embed_dim)."""
     full = {role: s.prefix + n for role, n in zip("qkvo", names)}
     qw, kw, vw, ow = (s.get(n + ".weight") for n in names)
     _check_shape(full["q"] + ".weight", qw, (None, None), "(out_features, in_features)")
@@ -187,9 +188,9 @@ def _linear_layout(s, names, num_heads, num_kv_heads, biases_required, same_inpu
     head_dim, num_kv_heads = _heads(qw.shape[0], kw.shape[0], full["q"] + ".weight",
                                     full["k"] + ".weight", num_heads, num_kv_heads)
     n_q, embed_dim, n_kv = qw.shape[0], qw.shape[1], num_kv_heads * head_dim
-    kdim = embed_dim if same_input else kw.shape[1]
-    _check_shape(full["k"] + ".weight", kw, (n_kv, kdim), "num_kv_heads * head_dim, in_features")
-    _check_shape(full["v"] + ".weight", vw, (n_kv, None if not same_input else embed_dim),
+    _check_shape(full["k"] + ".weight", kw, (n_kv, embed_dim),
+                 "num_kv_heads * head_dim, in_features")
+    _check_shape(full["v"] + ".weight", vw, (n_kv, embed_dim),
                  "num_kv_heads * head_dim, in_features")
     _check_shape(full["o"] + ".weight", ow, (embed_dim, n_q), "embed_dim, num_heads * head_dim")
     biases = {}
@@ -244,13 +245,13 @@ def _layout_torch(s, num_heads, num_kv_heads):
 def _layout_bert(s, num_heads, num_kv_heads):
     """BERT/RoBERTa/MiniLM's BertAttention: self.{query,key,value} and output.dense."""
     return _linear_layout(s, ("self.query", "self.key", "self.value", "output.dense"),
-                          num_heads, num_kv_heads, biases_required=True, same_input=True)
+                          num_heads, num_kv_heads, biases_required=True)
 
 
 def _layout_llama(s, num_heads, num_kv_heads):
     """Llama/Mistral/Qwen2's attention: {q,k,v,o}_proj, each bias optional (Qwen2 has q/k/v)."""
     return _linear_layout(s, ("q_proj", "k_proj", "v_proj", "o_proj"),
-                          num_heads, num_kv_heads, biases_required=False, same_input=True)
+                          num_heads, num_kv_heads, biases_required=False)
 
 
 def _layout_gpt2(s, num_heads, num_kv_heads):
@@ -395,11 +396,14 @@ def getstate(module):
     would otherwise store it as an independent copy and in-place edits would stop reaching the
     packed array."""
     state = dict(module.__dict__)
+    # an owner: an array attribute that others view (its own .base may be anything, e.g. the
+    # buffer an earlier unpickling made); C-contiguous, so that views can be rebuilt on it
     owners = {id(v): k for k, v in state.items()
-              if isinstance(v, np.ndarray) and v.base is None and v.flags.c_contiguous}
+              if isinstance(v, np.ndarray) and v.flags.c_contiguous}
     views = {}
     for name, value in state.items():
-        if isinstance(value, np.ndarray) and value.base is not None and id(value.base) in owners:
+        if (isinstance(value, np.ndarray) and value.base is not None
+                and owners.get(id(value.base), name) != name):
             base = value.base
             offset = (value.__array_interface__["data"][0]
                       - base.__array_interface__["data"][0])

@@ -373,6 +373,9 @@ def test_misshapen_arrays_give_expected_and_actual_shapes(rng):
     with pytest.raises(ValueError, match=r"'o_proj.weight' has shape \(16, 15\); "
                                          r"expected \(16, 16\)"):
         MHA.from_state_dict(bad, "llama", num_heads=4)
+    bad = dict(state, **{"v_proj.weight": state["v_proj.weight"][:, :-1]})
+    with pytest.raises(ValueError, match=r"'v_proj.weight' has shape \(8, 15\); expected \(8, 16\)"):
+        MHA.from_state_dict(bad, "llama", num_heads=4)
     bad = dict(state, **{"q_proj.bias": state["q_proj.bias"][:-1]})
     with pytest.raises(ValueError, match=r"'q_proj.bias' has shape \(15,\); expected \(16,\)"):
         MHA.from_state_dict(bad, "llama", num_heads=4)
@@ -487,6 +490,9 @@ def test_unpickled_qkv_weights_are_still_views_of_the_packed_arrays():
     assert np.array_equal(copy.in_proj_bias, mha.in_proj_bias)
     x = np.random.default_rng(2).standard_normal((2, 6, 16)).astype(np.float32)
     assert np.array_equal(copy(x), mha(x))
+    again = pickle.loads(pickle.dumps(copy, protocol=2))      # a copy of a copy, old protocol
+    assert np.shares_memory(again.v_weight, again.in_proj_weight)
+    assert np.array_equal(again(x), mha(x))
 
 
 def test_from_weights_accepts_transposed_weights():
