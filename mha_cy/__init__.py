@@ -13,17 +13,21 @@ Layout of the package (one job per file):
   _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
   _threads.py             the thread-count contract; BLAS held to one thread inside kernels
   _build_info.py          build_info(): version, OpenMP, threads, BLAS, SIMD level
+  _simd.py                MHA_CY_SIMD: one variable forces every C kernel's SIMD path
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
                           (projections of <= 256 rows), small_gemm (decode projections)
 """
 from ._version import __version__
+from ._simd import check_simd_request as _check_simd_request
 from ._cache import KVCache
 from ._threads import get_num_threads, set_num_threads, threads
 from ._build_info import build_info
 from .attention import MultiHeadAttention, scaled_dot_product_attention
 from . import reference
+
+_check_simd_request()
 
 __all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention", "reference",
            "set_num_threads", "get_num_threads", "threads", "build_info", "__version__"]
