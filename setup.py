@@ -18,7 +18,10 @@ Environment variables (all take 1/0, true/false, yes/no, on/off):
   MHA_CY_DEBUG=1            -O0 -g, and Cython boundscheck / wraparound /
                             initializedcheck back on.
   MHA_CY_REQUIRE_OPENMP=1   fail the build when OpenMP is missing or disabled
-                            (default: warn and build serial kernels).
+                            (default: warn and build serial kernels).  The probe
+                            tries -fopenmp (gcc, clang + libomp), on macOS then
+                            -Xpreprocessor -fopenmp -lomp (Apple clang + libomp),
+                            and /openmp with MSVC.
   MHA_CY_DISABLE_OPENMP=1   skip the OpenMP probe and build serial kernels
                             (to test the serial fallback).
   MHA_CY_ANNOTATE=1         also write Cython's annotated HTML (cython -a) next
@@ -153,16 +156,25 @@ class BuildExt(build_ext):
     def _openmp_flags(self):
         """(compile, link) OpenMP flags, or None when the build is serial."""
         if self.compiler.compiler_type == "msvc":
-            candidate = (["/openmp"], [])
+            candidates = [(["/openmp"], [])]
         else:
-            candidate = (["-fopenmp"], ["-fopenmp"])
+            # gcc, and clang with libomp on Linux. Apple's clang has no -fopenmp driver
+            # flag: the front end takes it through -Xpreprocessor and the program links
+            # libomp itself (its -I / -L come from CFLAGS / LDFLAGS, e.g. Homebrew's libomp).
+            candidates = [(["-fopenmp"], ["-fopenmp"])]
+            if sys.platform == "darwin":
+                candidates.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
 
         if DISABLE_OPENMP:
             reason = "MHA_CY_DISABLE_OPENMP is set"
         else:
-            reason = self._probe_openmp(*candidate)
-            if reason is None:
-                return candidate
+            reasons = []
+            for candidate in candidates:
+                reason = self._probe_openmp(*candidate)
+                if reason is None:
+                    return candidate
+                reasons.append(reason)
+            reason = "; ".join(reasons)
 
         if REQUIRE_OPENMP:
             sys.exit(
