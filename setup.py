@@ -1,8 +1,12 @@
 """Build script for mha_cy's compiled extensions (metadata lives in pyproject.toml).
 
-Every ``mha_cy/<name>.pyx`` becomes the extension ``mha_cy.<name>``, and every
-extension also compiles all of ``src/*.c`` (hand-written C; include dir ``src/``).
-New .pyx / .c files are picked up automatically (globs).  Cython runs only when
+Every ``mha_cy/<name>.pyx`` becomes the extension ``mha_cy.<name>``.  The hand-written C of
+``src/*.c`` (include dir ``src/``) is compiled once, with the extensions' flags (position-
+independent: it goes into shared objects), into the static library ``mha_cy_kernels`` in
+build_temp, and every extension links it: the linker copies in only the objects an extension
+calls, so each kernel is in the wheel once (cpu_features.o, a few hundred bytes, is in every
+module that dispatches).  New .pyx / .c files are picked up automatically (globs).
+Release builds (not MHA_CY_DEBUG / MHA_CY_SANITIZE) link with -Wl,-S: no debug information.  Cython runs only when
 extensions are actually built, so the sdist carries the .pyx sources and never
 Cython's generated .c files.
 
@@ -14,7 +18,10 @@ Environment variables (all take 1/0, true/false, yes/no, on/off):
   MHA_CY_DEBUG=1            -O0 -g, and Cython boundscheck / wraparound /
                             initializedcheck back on.
   MHA_CY_REQUIRE_OPENMP=1   fail the build when OpenMP is missing or disabled
-                            (default: warn and build serial kernels).
+                            (default: warn and build serial kernels).  The probe
+                            tries -fopenmp (gcc, clang + libomp), on macOS then
+                            -Xpreprocessor -fopenmp -lomp (Apple clang + libomp),
+                            and /openmp with MSVC.
   MHA_CY_DISABLE_OPENMP=1   skip the OpenMP probe and build serial kernels
                             (to test the serial fallback).
   MHA_CY_ANNOTATE=1         also write Cython's annotated HTML (cython -a) next
@@ -110,21 +117,23 @@ OPENMP_PROBE = textwrap.dedent(
 )
 
 
+KERNELS_LIB = "mha_cy_kernels"
+
+
 def _c_sources():
-    """Hand-written C compiled into every extension (sorted: reproducible builds)."""
+    """Hand-written C of the kernel library (sorted: reproducible builds)."""
     return sorted(glob.glob(os.path.join(SRC_DIR, "*.c")))
 
 
 def _extensions():
-    shared_c = _c_sources()
-    depends = shared_c + sorted(glob.glob(os.path.join(SRC_DIR, "*.h")))
+    depends = sorted(glob.glob(os.path.join(SRC_DIR, "*.h")))
     extensions = []
     for pyx in sorted(glob.glob(os.path.join(PACKAGE, "*.pyx"))):
         name = os.path.splitext(os.path.basename(pyx))[0]
         extensions.append(
             Extension(
                 f"{PACKAGE}.{name}",
-                sources=[pyx] + shared_c,
+                sources=[pyx],
                 include_dirs=[SRC_DIR, numpy.get_include()],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
                 depends=depends,
@@ -147,16 +156,25 @@ class BuildExt(build_ext):
     def _openmp_flags(self):
         """(compile, link) OpenMP flags, or None when the build is serial."""
         if self.compiler.compiler_type == "msvc":
-            candidate = (["/openmp"], [])
+            candidates = [(["/openmp"], [])]
         else:
-            candidate = (["-fopenmp"], ["-fopenmp"])
+            # gcc, and clang with libomp on Linux. Apple's clang has no -fopenmp driver
+            # flag: the front end takes it through -Xpreprocessor and the program links
+            # libomp itself (its -I / -L come from CFLAGS / LDFLAGS, e.g. Homebrew's libomp).
+            candidates = [(["-fopenmp"], ["-fopenmp"])]
+            if sys.platform == "darwin":
+                candidates.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
 
         if DISABLE_OPENMP:
             reason = "MHA_CY_DISABLE_OPENMP is set"
         else:
-            reason = self._probe_openmp(*candidate)
-            if reason is None:
-                return candidate
+            reasons = []
+            for candidate in candidates:
+                reason = self._probe_openmp(*candidate)
+                if reason is None:
+                    return candidate
+                reasons.append(reason)
+            reason = "; ".join(reasons)
 
         if REQUIRE_OPENMP:
             sys.exit(
@@ -231,8 +249,8 @@ class BuildExt(build_ext):
             compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
             # No -ffast-math: kernels rely on IEEE inf/NaN (masked rows, -INFINITY
             # running max).  -fno-math-errno only lets libm calls inline.
-            # Hidden visibility: src/*.c is linked into every module; keep each
-            # copy private (PyInit_* is exported explicitly by Python's headers).
+            # Hidden visibility: the kernel library is linked into several modules;
+            # keep each copy private (PyInit_* is exported explicitly by Python's headers).
             # -ffp-contract=fast: let a*b+c become one FMA (ISO -std=c11 turns
             # that off; it halves the instructions of the dot products in src/).
             # -fopenmp-simd: honour `#pragma omp simd` (vectorized reductions in
@@ -242,7 +260,9 @@ class BuildExt(build_ext):
             # AVX2, since it may not compute a select's both sides for every lane.
             compile_args += ["-std=c11", "-fno-math-errno", "-fno-trapping-math",
                              "-ffp-contract=fast", "-fopenmp-simd", "-fvisibility=hidden"]
-            link_args = ["-g"] if DEBUG else []
+            # Release: no debug information in the modules (-S: strip debug; GNU ld, lld
+            # and Apple's ld alike). The symbol table stays, for readable backtraces.
+            link_args = ["-g"] if DEBUG else [] if SANITIZE else ["-Wl,-S"]
         macros = []
         if NATIVE:
             if msvc:
@@ -296,10 +316,15 @@ class BuildExt(build_ext):
         config = self._configure()
         if self._options_changed(config):
             self.force = True
+        kernels = self._build_kernels_lib(config)
         for ext in self.extensions:
             ext.extra_compile_args = list(ext.extra_compile_args) + config["compile_args"]
             ext.extra_link_args = list(ext.extra_link_args) + config["link_args"]
             ext.define_macros = list(ext.define_macros) + config["macros"]
+            # After the module's own objects on the link line, so that the linker takes
+            # from the archive exactly what the module calls; a newer library relinks.
+            ext.extra_objects = list(ext.extra_objects) + [kernels]
+            ext.depends = list(ext.depends) + [kernels]
         cythonized = cythonize(
             self.extensions,
             compiler_directives=CYTHON_DIRECTIVES,
@@ -315,30 +340,40 @@ class BuildExt(build_ext):
             ext.sources = list(generated[ext.name])
         super().build_extensions()
 
-    def build_extension(self, ext):
-        # src/*.c goes into every extension.  Compile it into a directory of its
-        # own per extension: with `-j` (default: one job per core) extensions are
-        # built concurrently, and objects shared through build_temp/src/ would be
-        # written by several compilers at once.
-        shared_c = set(_c_sources())
-        own = [s for s in ext.sources if s not in shared_c]
-        shared = [s for s in ext.sources if s in shared_c]
-        ext_path = self.get_ext_fullpath(ext.name)
-        if shared and (self.force or newer_group(ext.sources + ext.depends, ext_path, "newer")):
-            objects = self.compiler.compile(
-                shared,
-                output_dir=os.path.join(self.build_temp, "per_extension", ext.name),
-                macros=ext.define_macros,
-                include_dirs=ext.include_dirs,
-                debug=self.debug,
-                extra_postargs=ext.extra_compile_args,
-                depends=ext.depends,
-            )
-            ext.sources = own
-            ext.extra_objects = list(ext.extra_objects) + objects
-            ext.depends = list(ext.depends) + shared
-        super().build_extension(ext)
+    def _build_kernels_lib(self, config):
+        """Compile src/*.c once into the static library; return its path."""
+        sources = _c_sources()
+        depends = sources + sorted(glob.glob(os.path.join(SRC_DIR, "*.h")))
+        out_dir = os.path.join(self.build_temp, "kernels")
+        lib = self.compiler.library_filename(KERNELS_LIB, output_dir=out_dir)
+        if not (self.force or newer_group(depends, lib, "newer")):
+            return lib
+        compile_args = list(config["compile_args"])
+        if self.compiler.compiler_type != "msvc":
+            compile_args.append("-fPIC")  # linked into shared objects
 
+        def compile_one(source):
+            # Every .c includes its headers only: any header change recompiles all (cheap).
+            return self.compiler.compile(
+                [source],
+                output_dir=out_dir,
+                macros=config["macros"],
+                include_dirs=[SRC_DIR],
+                debug=self.debug,
+                extra_postargs=compile_args,
+                depends=depends,
+            )
+
+        # The sources are independent: compile them concurrently, as build_ext -j does
+        # the extensions (each object has its own output path).
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        with ThreadPoolExecutor(max_workers=max(1, int(self.parallel or 1))) as pool:
+            objects = [obj for objs in pool.map(compile_one, sources) for obj in objs]
+        if os.path.exists(lib):
+            os.remove(lib)  # `ar -r` would keep members of a source since removed
+        self.compiler.create_static_lib(objects, KERNELS_LIB, output_dir=out_dir)
+        return lib
 
 setup(
     ext_modules=_extensions(),

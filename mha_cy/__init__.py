@@ -18,18 +18,22 @@ Layout of the package (one job per file):
   _pruning.py             prune_heads: a smaller module without some query heads (GQA-aware)
   analysis.py             head_stats, rank_heads: what each head does, which heads matter
   plotting.py             plot_heads: per-head heatmaps (matplotlib, imported when drawing)
+  _simd.py                MHA_CY_SIMD: one variable forces every C kernel's SIMD path
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
                           (projections of <= 256 rows), small_gemm (decode projections)
 """
 from ._version import __version__
+from ._simd import check_simd_request as _check_simd_request
 from ._cache import KVCache
 from ._threads import get_num_threads, set_num_threads, threads
 from ._build_info import build_info
 from .attention import MultiHeadAttention, scaled_dot_product_attention
 from .plotting import plot_heads
 from . import analysis, reference
+
+_check_simd_request()
 
 __all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention", "reference",
            "set_num_threads", "get_num_threads", "threads", "build_info", "plot_heads",

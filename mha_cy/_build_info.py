@@ -5,7 +5,8 @@ import platform
 import sys
 
 from ._blas_kernel import blas_warning
-from ._cpu_features import build_flags, compiler_version, native_build, simd_level
+from ._cpu_features import (build_flags, compiler_version, cpu_simd_level, native_build,
+                            simd_level)
 from ._openmp_helpers import openmp_enabled, openmp_max_threads
 from ._threads import _scipy_blas_info, get_num_threads
 from ._version import __version__
@@ -42,8 +43,10 @@ def build_info():
                      or "unknown" when threadpoolctl cannot find it
       blas_warning   None, or why scipy's BLAS runs kernels below the CPU's SIMD level
                      (e.g. OPENBLAS_CORETYPE=Haswell on an AVX-512 CPU) and the remedy (str)
-      simd           SIMD level the run-time dispatch picks on this CPU (str:
-                     "avx512", "avx2", "sse2", "generic"; "native" in native builds)
+      simd           SIMD level every C kernel runs (str: "avx512", "avx2", "sse2",
+                     "generic"; "native" in native builds): the CPU's best, or the lower
+                     one the environment variable MHA_CY_SIMD forces
+      simd_cpu       the best level this CPU runs (str, same values)
       native_build   built with MHA_CY_NATIVE=1 / -march=native (bool)
       python, numpy, scipy   versions (str)
       compiler       {"version": ..., "flags": extra C flags of the build} (dict)
@@ -62,6 +65,7 @@ def build_info():
         "blas": blas,
         "blas_warning": blas_warning(core, simd, os.environ),
         "simd": simd,
+        "simd_cpu": cpu_simd_level(),
         "native_build": native_build(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,

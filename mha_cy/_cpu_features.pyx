@@ -2,14 +2,21 @@
 
 cdef extern from "cpu_features.h":
     const char *mha_simd_level() noexcept nogil
+    const char *mha_simd_cpu_level() noexcept nogil
     int mha_native_build() noexcept nogil
     const char *mha_compiler_version() noexcept nogil
     const char *mha_build_flags() noexcept nogil
 
 
 def simd_level():
-    """SIMD level the run-time dispatch picks here: 'avx512f', 'avx2', 'sse2' or 'generic'."""
+    """SIMD level every dispatching kernel runs: 'avx512', 'avx2', 'sse2', 'native' or
+    'generic' (the CPU's best, or the lower one MHA_CY_SIMD forces)."""
     return mha_simd_level().decode("ascii")
+
+
+def cpu_simd_level():
+    """The best SIMD level this CPU runs, whatever MHA_CY_SIMD says."""
+    return mha_simd_cpu_level().decode("ascii")
 
 
 def native_build():

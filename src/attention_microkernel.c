@@ -14,22 +14,45 @@
 #define DRB 4          /* query rows per block of the direct kernel (at most the lanes of a
                           256-bit vector of doubles) */
 
+#define MHA_IMPL "attention_microkernel_impl.h"
+
 #define REAL float
-#define SUFFIX f32
+#define TYPE_SUFFIX f32
 #define VL 16          /* lanes of one 512-bit vector */
 #define SOFTMAX_ROW mha_online_softmax_row_f32
-#include "attention_microkernel_impl.h"
+#include "simd_isas.h"
 #undef REAL
-#undef SUFFIX
+#undef TYPE_SUFFIX
 #undef VL
 #undef SOFTMAX_ROW
 
 #define REAL double
-#define SUFFIX f64
+#define TYPE_SUFFIX f64
 #define VL 8
 #define SOFTMAX_ROW mha_online_softmax_row_f64
-#include "attention_microkernel_impl.h"
+#include "simd_isas.h"
 #undef REAL
-#undef SUFFIX
+#undef TYPE_SUFFIX
 #undef VL
 #undef SOFTMAX_ROW
+
+#ifdef MHA_SIMD_DISPATCH
+/* The scratch size is the same at every level. */
+#define DEFINE_DISPATCH(REAL, SFX, FUNC)                                                     \
+    void FUNC##SFX(const REAL *q, ptrdiff_t q_rs, int rows, int d, const REAL *k,            \
+                   ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, \
+                   ptrdiff_t k_end, REAL scale, const REAL *add, ptrdiff_t add_rs,           \
+                   ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,              \
+                   ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc, REAL *work)            \
+    {                                                                                        \
+        MHA_SIMD_CALL(FUNC##SFX, (q, q_rs, rows, d, k, k_rs, v, v_rs, dv, k_begin, k_end,   \
+                                  scale, add, add_rs, add_ks, pad, limit, limit_step, m, l,  \
+                                  acc, work))                                                \
+    }
+DEFINE_DISPATCH(float, f32, mha_fused_attend_)
+DEFINE_DISPATCH(double, f64, mha_fused_attend_)
+DEFINE_DISPATCH(float, f32, mha_fused_attend_direct_)
+DEFINE_DISPATCH(double, f64, mha_fused_attend_direct_)
+ptrdiff_t mha_fused_scratch_f32(int d) { return mha_fused_scratch_f32_base(d); }
+ptrdiff_t mha_fused_scratch_f64(int d) { return mha_fused_scratch_f64_base(d); }
+#endif

@@ -1,8 +1,8 @@
-/* Body of attention_microkernel.c for one floating type: included once with REAL = float and
- * once with REAL = double. Defines needed: REAL, SUFFIX, VL (lanes of a 512-bit vector), RB,
+/* Body of attention_microkernel.c for one floating type: included with REAL = float and with
+ * REAL = double, once per SIMD level (simd_isas.h). Defines needed: REAL, SUFFIX, VL (lanes of a 512-bit vector), RB,
  * SOFTMAX_ROW (the online-softmax row function of attention_tile.h for REAL).
  * The register blocks are GNU C vectors, which gcc lowers at every SIMD level of
- * MHA_SIMD_CLONES; the block functions are always_inline with a constant row count so the
+ * simd_isas.h; the block functions are always_inline with a constant row count so the
  * M x 2 vectors of sums stay in registers. Plain lane loops (as in small_gemm_impl.h) did not
  * work here: gcc vectorized the loop over d instead, gathering q with shuffles and spilling
  * the sums (3.5 GFLOP/s on Zen 1 AVX2). */
@@ -145,7 +145,6 @@ FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, in
                add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,                   \
                limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv, s)
 
-MHA_SIMD_CLONES
 void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
                            const REAL *k, ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs, int dv,
                            ptrdiff_t k_begin, ptrdiff_t k_end, REAL scale,
@@ -302,7 +301,6 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
                       acc + r * dv, s,                                                       \
                       r == 0, nk_next)
 
-MHA_SIMD_CLONES
 void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
                                   const REAL *k, ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs,
                                   int dv, ptrdiff_t k_begin, ptrdiff_t k_end, REAL scale,

@@ -5,18 +5,42 @@
 #include "fast_exp.h"
 #include "simd_dispatch.h"
 
+#define MHA_IMPL "attention_tile_impl.h"
+
 #define REAL float
-#define SUFFIX f32
+#define TYPE_SUFFIX f32
 #define EXP mha_exp_f32
-#include "attention_tile_impl.h"
+#include "simd_isas.h"
 #undef REAL
-#undef SUFFIX
+#undef TYPE_SUFFIX
 #undef EXP
 
 #define REAL double
-#define SUFFIX f64
+#define TYPE_SUFFIX f64
 #define EXP mha_exp_f64
-#include "attention_tile_impl.h"
+#include "simd_isas.h"
 #undef REAL
-#undef SUFFIX
+#undef TYPE_SUFFIX
 #undef EXP
+
+#ifdef MHA_SIMD_DISPATCH
+#define DEFINE_DISPATCH(REAL, SFX)                                                           \
+    void mha_online_softmax_row_##SFX(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,  \
+                                      const unsigned char *pad, int n_valid,                 \
+                                      REAL *m, REAL *l, REAL *acc, int dv)                   \
+    {                                                                                        \
+        MHA_SIMD_CALL(mha_online_softmax_row_##SFX,                                          \
+                      (s, n, add, add_stride, pad, n_valid, m, l, acc, dv))                  \
+    }                                                                                        \
+    void mha_softmax_row_##SFX(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,         \
+                               const unsigned char *pad, int n_valid)                        \
+    {                                                                                        \
+        MHA_SIMD_CALL(mha_softmax_row_##SFX, (s, n, add, add_stride, pad, n_valid))          \
+    }                                                                                        \
+    void mha_finish_row_##SFX(const REAL *acc, REAL l, REAL *out, int dv)                    \
+    {                                                                                        \
+        MHA_SIMD_CALL(mha_finish_row_##SFX, (acc, l, out, dv))                               \
+    }
+DEFINE_DISPATCH(float, f32)
+DEFINE_DISPATCH(double, f64)
+#endif

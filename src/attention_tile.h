@@ -4,7 +4,7 @@
  * treat one query row of that tile: apply the masks, turn scores into probabilities, and keep
  * the running statistics of the online ("flash") softmax. They are plain C so that gcc can
  * vectorize them, and are compiled for several SIMD levels (picked at run time, see
- * MHA_SIMD_CLONES) because wheels must run on any x86-64 CPU.
+ * simd_dispatch.h) because wheels must run on any x86-64 CPU.
  *
  * Mask arguments, shared by all functions (row = one query, columns = the n keys of the tile):
  *   add, add_stride  additive mask of the row (NULL: none); key j adds add[j * add_stride]

@@ -1,5 +1,5 @@
-/* Body of attention_tile.c for one floating type: included once with REAL = float and once with
- * REAL = double (the C equivalent of a Cython fused type). Defines need REAL, SUFFIX, EXP.
+/* Body of attention_tile.c for one floating type: included with REAL = float and with REAL =
+ * double, once per SIMD level (simd_isas.h; the C equivalent of a Cython fused type). Defines need REAL, SUFFIX, EXP.
  * Loop indices are ptrdiff_t, not int: Python's CFLAGS carry -fwrapv, under which gcc does not
  * vectorize loops over int indices (measured: the softmax ran 10x slower). */
 
@@ -69,7 +69,6 @@ static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
     return sum;
 }
 
-MHA_SIMD_CLONES
 void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
                                  const unsigned char *pad, int n_skip, int n_valid,
                                  REAL *m, REAL *l, REAL *acc, int dv)
@@ -95,7 +94,6 @@ void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_
     *m = m_new;
 }
 
-MHA_SIMD_CLONES
 void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
                           const unsigned char *pad, int n_skip, int n_valid)
 {
@@ -110,7 +108,6 @@ void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
         s[j] *= inv;
 }
 
-MHA_SIMD_CLONES
 void FN(mha_finish_row_)(const REAL *acc, REAL l, REAL *out, int dv)
 {
     REAL inv = l == 0 ? 0 : 1 / l;      /* l is NaN when a NaN reached the row: keep it */

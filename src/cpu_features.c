@@ -1,28 +1,81 @@
 /* cpu_features.c -- see cpu_features.h. */
 #include "cpu_features.h"
 
-#if (defined(__GNUC__) || defined(__clang__)) && \
-    (defined(__x86_64__) || defined(__i386__))
-#define MHA_HAVE_CPU_SUPPORTS 1
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd_dispatch.h"   /* MHA_SIMD_DISPATCH: whether the kernels dispatch */
+
+
+static const char *const mha_isa_names[] = {"sse2", "avx2", "avx512"};
+
+int mha_simd_cpu_isa(void)
+{
+#ifdef MHA_SIMD_DISPATCH
+    /* Needed only before constructors ran, harmless otherwise. */
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4"))
+        return MHA_ISA_AVX512;
+    if (__builtin_cpu_supports("x86-64-v3"))
+        return MHA_ISA_AVX2;
+#endif
+    return MHA_ISA_BASE;
+}
+
+#ifdef MHA_SIMD_DISPATCH
+/* The level MHA_CY_SIMD asks for, or -1 (no limit). */
+static int mha_simd_requested(void)
+{
+    const char *value = getenv("MHA_CY_SIMD");
+    if (value == NULL)
+        return -1;
+    if (strcmp(value, "avx512") == 0)
+        return MHA_ISA_AVX512;
+    if (strcmp(value, "avx2") == 0)
+        return MHA_ISA_AVX2;
+    if (strcmp(value, "sse2") == 0 || strcmp(value, "portable") == 0)
+        return MHA_ISA_BASE;
+    return -1;   /* "auto", or a typo that mha_cy/_simd.py reports at import */
+}
+
+static int mha_isa = -1;
+
+/* At load time, before any kernel can run in any thread: no lazy initialization race. */
+__attribute__((constructor)) static void mha_simd_isa_init(void)
+{
+    int best = mha_simd_cpu_isa(), requested = mha_simd_requested();
+    mha_isa = requested >= 0 && requested < best ? requested : best;
+}
+
+int mha_simd_isa(void)
+{
+    if (mha_isa < 0)
+        mha_simd_isa_init();
+    return mha_isa;
+}
 #else
-#define MHA_HAVE_CPU_SUPPORTS 0
+int mha_simd_isa(void) { return MHA_ISA_BASE; }   /* one compiled level: nothing to pick */
 #endif
 
 const char *mha_simd_level(void)
 {
 #if defined(MHA_CY_NATIVE_BUILD) && MHA_CY_NATIVE_BUILD
     return "native";            /* -march=native: no run-time dispatch */
-#elif MHA_HAVE_CPU_SUPPORTS && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-    /* The same predicates as the ifunc resolvers of attention_tile.c's target_clones. Needed
-     * only before constructors ran (e.g. in an ifunc resolver), harmless otherwise. */
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4"))
-        return "avx512";
-    if (__builtin_cpu_supports("x86-64-v3"))
-        return "avx2";
-    return "sse2";
+#elif defined(MHA_SIMD_DISPATCH)
+    return mha_isa_names[mha_simd_isa()];
 #else
     return "generic";           /* no run-time dispatch with this compiler / architecture */
+#endif
+}
+
+const char *mha_simd_cpu_level(void)
+{
+#if defined(MHA_CY_NATIVE_BUILD) && MHA_CY_NATIVE_BUILD
+    return "native";
+#elif defined(MHA_SIMD_DISPATCH)
+    return mha_isa_names[mha_simd_cpu_isa()];
+#else
+    return "generic";
 #endif
 }
 

@@ -10,12 +10,25 @@
 extern "C" {
 #endif
 
-/* The SIMD level at which the run-time dispatch (gcc target_clones, see
- * attention_tile.c) runs the kernels' C on this CPU: "avx512" (x86-64-v4:
- * AVX-512 F/BW/CD/DQ/VL), "avx2" (x86-64-v3: AVX2, FMA, ...), "sse2" (the
- * x86-64 baseline), "native" for a -march=native build (no dispatch), or
- * "generic" where there is no dispatch.  Static string: never free it. */
+/* The SIMD levels of the run-time dispatch (simd_dispatch.h). */
+enum { MHA_ISA_BASE = 0, MHA_ISA_AVX2 = 1, MHA_ISA_AVX512 = 2 };
+
+/* The level every dispatching kernel runs: the best this CPU has (x86-64-v4: AVX-512
+ * F/BW/CD/DQ/VL; x86-64-v3: AVX2, FMA, ...; else the baseline), lowered to the one the
+ * environment variable MHA_CY_SIMD names ("avx512", "avx2", "sse2" or "portable"; unset,
+ * "auto" or any other value: no limit). Read when the module is loaded (a constructor), so
+ * every module, each with its own copy of this file, sees the same level. */
+int mha_simd_isa(void);
+
+/* The best level this CPU runs, whatever MHA_CY_SIMD says. */
+int mha_simd_cpu_isa(void);
+
+/* The name of what runs: "avx512", "avx2", "sse2" (the x86-64 baseline) where the kernels
+ * dispatch (gcc, x86-64), "native" for a -march=native build (no dispatch), "generic" for
+ * other compilers / CPUs. mha_simd_cpu_level: the same for the best level of the CPU.
+ * Static strings: never free them. */
 const char *mha_simd_level(void);
+const char *mha_simd_cpu_level(void);
 
 /* 1 when built with MHA_CY_NATIVE=1 (-march=native, not portable), else 0. */
 int mha_native_build(void);

@@ -9,7 +9,9 @@
 
 #include "row_panel_gemm.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(MHA_CY_NATIVE_BUILD)
+#include "simd_dispatch.h"
+
+#ifdef MHA_SIMD_DISPATCH
 #define MHA_PANEL_DISPATCH 1
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
@@ -71,14 +73,11 @@ MHA_VECTOR_TYPES(double, 64, mha_f64_v64);
     }
 
 #ifdef MHA_PANEL_DISPATCH
-/* The best level this CPU runs: 2 AVX-512, 1 AVX2 + FMA, 0 the baseline. */
+/* The best level that may run: 2 AVX-512, 1 AVX2 + FMA, 0 the baseline: the common level of
+ * every kernel (the CPU's, or the one MHA_CY_SIMD forces), whose values are the same. */
 static int mha_panel_cpu_isa(void)
 {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-        return 2;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    return mha_simd_isa();
 }
 
 static int mha_panel_level = -1;     /* chosen at the first call; tests may lower it */

@@ -1,5 +1,5 @@
-/* Body of small_gemm.c for one floating type: included once with REAL = float and once with
- * REAL = double. Defines needed: REAL, SUFFIX, VEC (a GCC vector of 32 bytes of REAL), VEC_U
+/* Body of small_gemm.c for one floating type: included with REAL = float and with REAL =
+ * double, once per SIMD level (simd_isas.h). Defines needed: REAL, SUFFIX, VEC (a GCC vector of 32 bytes of REAL), VEC_U
  * (the same, unaligned and may alias REAL), VL (its lanes). */
 
 #define MHA_CAT_(a, b) a##b
@@ -53,7 +53,6 @@ FN(rows_block_)(const REAL *x, ptrdiff_t ldx, const REAL *w, ptrdiff_t ldw, cons
             FN(rows_block_)(xi, ldx, w, ldw, bias, oi, ldo, (M), 1, j, k);                    \
     } while (0)
 
-MHA_SIMD_CLONES
 void FN(mha_small_gemm_)(const REAL *x, ptrdiff_t ldx, const REAL *w, ptrdiff_t ldw,
                          const REAL *bias, REAL *out, ptrdiff_t ldo,
                          ptrdiff_t m, ptrdiff_t n, ptrdiff_t k)

@@ -1,0 +1,35 @@
+"""MHA_CY_SIMD: force every C kernel onto one SIMD path (tests, and CPUs that misbehave).
+
+The C side (src/cpu_features.c) reads the variable when each extension module loads; this
+module makes a bad value loud instead of silently ignored, and says when the CPU cannot run
+the path asked for (the kernels then run the best path it has).
+"""
+
+import os
+import warnings
+
+from ._cpu_features import cpu_simd_level, simd_level
+
+ENV = "MHA_CY_SIMD"
+# value -> the simd_level() it means ("portable" is the x86-64 baseline, sse2)
+LEVELS = {"avx512": "avx512", "avx2": "avx2", "sse2": "sse2", "portable": "sse2"}
+_RANK = {"sse2": 0, "avx2": 1, "avx512": 2}
+
+
+def check_simd_request(environ=os.environ):
+    """Raise ValueError for an unknown MHA_CY_SIMD value; warn when it cannot be honoured."""
+    value = environ.get(ENV, "")
+    if value in ("", "auto"):
+        return
+    if value not in LEVELS:
+        raise ValueError(f"environment variable {ENV} must be one of auto, "
+                         f"{', '.join(LEVELS)}; got {value!r}")
+    wanted, running, best = LEVELS[value], simd_level(), cpu_simd_level()
+    if running == wanted:
+        return
+    if best not in _RANK:       # native build, or no dispatch with this compiler / CPU
+        why = f"this build does not dispatch (simd {running!r})"
+    else:
+        why = f"this CPU's best is {best!r}"
+    warnings.warn(f"{ENV}={value!r} cannot be honoured: {why}; the kernels run {running!r}",
+                  RuntimeWarning, stacklevel=2)
