@@ -5,13 +5,14 @@ import numpy as np
 from ._cache import KVCache
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
                       check_key_padding_mask, check_ndim, float_dtype, positive_int, result_dtype)
+from .rope import call_positions, check_rope
 
 
 class MultiHeadAttentionBase:
     """Multi-head attention with PyTorch's conventions (see mha_cy.MultiHeadAttention)."""
 
     def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None,
-                 vdim=None, bias=True, dtype=np.float32, seed=None):
+                 vdim=None, bias=True, dtype=np.float32, seed=None, rope=None):
         embed_dim = positive_int(embed_dim, "embed_dim")
         num_heads = positive_int(num_heads, "num_heads")
         if head_dim is None:
@@ -21,6 +22,7 @@ class MultiHeadAttentionBase:
             head_dim = embed_dim // num_heads
         head_dim = positive_int(head_dim, "head_dim")
         num_kv_heads = self._check_kv_heads(num_kv_heads, num_heads)
+        rope = check_rope(rope, head_dim)
         kdim = embed_dim if kdim is None else positive_int(kdim, "kdim")
         vdim = embed_dim if vdim is None else positive_int(vdim, "vdim")
         bias = check_bool_flag(bias, "bias")
@@ -38,11 +40,12 @@ class MultiHeadAttentionBase:
                     xavier(n_q, embed_dim), xavier(n_kv, kdim), xavier(n_kv, vdim),
                     rng.uniform(-out_bound, out_bound, size=(embed_dim, n_q)),
                     zeros(n_q), zeros(n_kv), zeros(n_kv), zeros(embed_dim))
+        self._rope = rope
 
     @classmethod
     def from_weights(cls, q_weight, k_weight, v_weight, out_weight, *, num_heads,
                      num_kv_heads=None, q_bias=None, k_bias=None, v_bias=None, out_bias=None,
-                     dtype=None):
+                     dtype=None, rope=None):
         """A module with the given weights, in nn.Linear layout (out_features, in_features).
 
         q_weight (num_heads * head_dim, embed_dim), k_weight (num_kv_heads * head_dim, kdim),
@@ -50,6 +53,7 @@ class MultiHeadAttentionBase:
         embed_dim, kdim, vdim and head_dim are read off the shapes. A missing bias is zero
         (some models have no bias on k only); no bias at all means bias=False. The arrays are
         copied. dtype: float32 or float64; None = float64 if any weight is float64, else float32.
+        rope: None or a mha_cy.RoPE (rotary embeddings of the q and k heads).
         """
         num_heads = positive_int(num_heads, "num_heads")
         num_kv_heads = cls._check_kv_heads(num_kv_heads, num_heads)
@@ -65,6 +69,7 @@ class MultiHeadAttentionBase:
             raise ValueError(f"q_weight has {n_q} rows, which num_heads={num_heads} does not divide "
                              "into heads of head_dim >= 1")
         head_dim = n_q // num_heads
+        rope = check_rope(rope, head_dim)
         n_kv = num_kv_heads * head_dim
         for name, w in (("k_weight", kw), ("v_weight", vw)):
             if w.shape[0] != n_kv:
@@ -89,6 +94,7 @@ class MultiHeadAttentionBase:
             biases = [np.zeros(n) if b is None else b for b, n in zip(biases, sizes)]
         self = cls.__new__(cls)
         self._setup(num_heads, num_kv_heads, dt, qw, kw, vw, ow, *biases)
+        self._rope = rope
         return self
 
     @classmethod
@@ -162,11 +168,13 @@ class MultiHeadAttentionBase:
     k_bias = property(lambda self: self._k_bias)
     v_bias = property(lambda self: self._v_bias)
     out_bias = property(lambda self: self._out_bias)
+    rope = property(lambda self: self._rope)      # None or a mha_cy.RoPE
 
     def __repr__(self):
         return (f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kdim={self.kdim}, "
-                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype})")
+                f"vdim={self.vdim}, bias={self.out_bias is not None}, dtype={self.dtype}, "
+                f"rope={self.rope!r})")
 
     def new_cache(self, batch_size, max_len):
         """An empty KV cache for incremental decoding of batch_size sequences up to max_len."""
@@ -174,7 +182,7 @@ class MultiHeadAttentionBase:
                        positive_int(max_len, "max_len"), self.head_dim, self.dtype)
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None):
+                 is_causal=False, need_weights=False, cache=None, positions=None):
         """Attend query (B, Lq, E) to key (B, Lk, kdim) / value (B, Lk, vdim); see the class doc.
 
         Returns out (B, Lq, E), or (out, weights) with weights (B, num_heads, Lq, Lk) when
@@ -223,6 +231,7 @@ class MultiHeadAttentionBase:
             cache._check_room(Lq)
             Lk = cache.length + Lq
             is_causal = True        # a decoder's new tokens see only the cache and themselves
+        positions = call_positions(self.rope, positions, B, Lq, cache, self_attention)
         if key_padding_mask is not None:
             key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
         if attn_mask is not None:
@@ -235,7 +244,7 @@ class MultiHeadAttentionBase:
             weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
         else:
             out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
-                                         attn_mask, is_causal, need_weights, cache)
+                                         attn_mask, is_causal, need_weights, cache, positions)
             if cache is not None:
                 cache._commit(Lq)
         if unbatched:
@@ -254,8 +263,10 @@ class MultiHeadAttentionBase:
         check_dim(cache.batch_size, batch, "cache", "batch_size")
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, cache):
+                 is_causal, need_weights, cache, positions):
         """out (B, Lq, E) and weights (B, H, Lq, Lk) or None. Inputs are checked 3-D arrays of
         the module dtype; masks as returned by the _checks functions; with a cache, append the
-        new keys/values (cache._write) and attend over all of them (the base commits)."""
+        new keys/values (cache._write) and attend over all of them (the base commits).
+        positions: None, or (with self.rope) the int64 (1 or B, Lq) RoPE positions of the query
+        tokens: rotate q and k there before the cache and the attention."""
         raise NotImplementedError
