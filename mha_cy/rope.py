@@ -116,14 +116,12 @@ def call_positions(rope, positions, batch, q_len, cache, self_attention):
     if not self_attention:
         raise ValueError(f"this module has rope={rope!r}, which applies to self-attention only; "
                          "key and value must be None")
-    if positions is None:
-        steps = np.arange(q_len, dtype=np.int64)
-        if cache is None:
-            return steps[None]
-        lengths = getattr(cache, "lengths", None)
+    if positions is None:       # one arange for the common cases (a decode step's overhead)
+        lengths = None if cache is None else getattr(cache, "lengths", None)
         if lengths is None:
-            return (cache.length + steps)[None]
-        return np.asarray(lengths, dtype=np.int64).reshape(-1, 1) + steps
+            start = 0 if cache is None else cache.length
+            return np.arange(start, start + q_len, dtype=np.int64)[None]
+        return np.asarray(lengths, dtype=np.int64).reshape(-1, 1) + np.arange(q_len)
     return _check_positions(positions, batch, q_len)
 
 

@@ -369,6 +369,11 @@ def test_rope_repr_eq_hash_pickle():
     assert rope.inv_freq(16).flags.writeable is False
     with pytest.raises(AttributeError):
         rope.dim = 4
+    mha = mha_cy.MultiHeadAttention(32, 2, seed=0, rope=rope)
+    x = np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32)
+    again = pickle.loads(pickle.dumps(mha))
+    assert again.rope == rope
+    np.testing.assert_array_equal(again(x), mha(x))
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
