@@ -28,10 +28,14 @@ cdef extern from "rope.h" nogil:
                              const double *sin, Py_ssize_t half, int interleaved)
 
 # Token rows per task: their cos/sin table (2 * 16 * D/2 values) stays in L1 while every head
-# of those rows is rotated.
+# of those rows is rotated. Measured (Zen 1, 1 thread, CPU time, loaded machine), L = 4096,
+# 8 + 8 q/k heads of 64, float32: 7.0 ms (interleaved 7.6 ms), of which the cos/sin table in
+# double is 4.2 ms (32 ns per position and frequency); the QKV projection it follows took
+# 580 ms, so RoPE costs about 1% of a prefill.
 cdef Py_ssize_t ROWS_PER_TASK = 16
 # Below this many cos/sin pairs plus rotated pairs, one thread: a decode step's few hundred
-# pairs take well under a microsecond, less than waking a team.
+# pairs take about a microsecond, less than waking a team (a whole call of one token, 16
+# heads of 64, costs ~3 us, mostly argument handling).
 cdef Py_ssize_t MIN_PARALLEL_PAIRS = 1 << 14
 
 
