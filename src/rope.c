@@ -1,0 +1,17 @@
+/* Rotary position embeddings: see rope.h. */
+#include <math.h>
+
+#include "rope.h"
+#include "simd_dispatch.h"
+
+#define REAL float
+#define SUFFIX f32
+#include "rope_impl.h"
+#undef REAL
+#undef SUFFIX
+
+#define REAL double
+#define SUFFIX f64
+#include "rope_impl.h"
+#undef REAL
+#undef SUFFIX
