@@ -8,6 +8,8 @@ Layout of the package (one job per file):
   _cache.py               KVCache, the preallocated keys/values of incremental decoding
   _call_plan.py           CachePlan: one cached call's per-sequence positions (ragged batches)
   _window.py              the sliding window's argument checks
+  rope.py                 RoPE, the rotary position embeddings' configuration; call positions
+  _rope_kernel.pyx        the rotation of the q/k heads in place over OpenMP threads (src/rope.c)
   _linear_kernel.pyx      the projections (x @ W.T + b), shape-fixed tiles over OpenMP threads
   _attention_kernel.pyx   attention tasks over OpenMP threads: fused C tiles (BLAS for head
                           dims > 256), online softmax, split-K
@@ -22,7 +24,8 @@ Layout of the package (one job per file):
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
-                          (projections of <= 256 rows), small_gemm (decode projections)
+                          (projections of <= 256 rows), small_gemm (decode projections),
+                          rope (the rotary embeddings' cos/sin and rotation)
 """
 from ._version import __version__
 from ._simd import check_simd_request as _check_simd_request
@@ -30,11 +33,12 @@ from ._cache import KVCache
 from ._threads import get_num_threads, set_num_threads, threads
 from ._build_info import build_info
 from .attention import MultiHeadAttention, scaled_dot_product_attention
+from .rope import RoPE
 from .plotting import plot_heads
 from . import analysis, reference
 
 _check_simd_request()
 
-__all__ = ["MultiHeadAttention", "KVCache", "scaled_dot_product_attention", "reference",
+__all__ = ["MultiHeadAttention", "KVCache", "RoPE", "scaled_dot_product_attention", "reference",
            "set_num_threads", "get_num_threads", "threads", "build_info", "plot_heads",
            "analysis", "__version__"]

@@ -9,6 +9,7 @@ from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag
                       check_head_mask, check_key_padding_mask, check_ndim, float_dtype,
                       positive_int, result_dtype)
 from ._window import check_window, require_causal
+from .rope import call_positions, check_rope
 
 
 class MultiHeadAttentionBase:
@@ -17,7 +18,7 @@ class MultiHeadAttentionBase:
     window = None       # the sliding window (mha_cy._window); None = unlimited
 
     def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None,
-                 vdim=None, bias=True, dtype=np.float32, seed=None, window=None):
+                 vdim=None, bias=True, dtype=np.float32, seed=None, window=None, rope=None):
         window = check_window(window)
         embed_dim = positive_int(embed_dim, "embed_dim")
         num_heads = positive_int(num_heads, "num_heads")
@@ -28,6 +29,7 @@ class MultiHeadAttentionBase:
             head_dim = embed_dim // num_heads
         head_dim = positive_int(head_dim, "head_dim")
         num_kv_heads = self._check_kv_heads(num_kv_heads, num_heads)
+        rope = check_rope(rope, head_dim)
         kdim = embed_dim if kdim is None else positive_int(kdim, "kdim")
         vdim = embed_dim if vdim is None else positive_int(vdim, "vdim")
         bias = check_bool_flag(bias, "bias")
@@ -46,11 +48,12 @@ class MultiHeadAttentionBase:
                     rng.uniform(-out_bound, out_bound, size=(embed_dim, n_q)),
                     zeros(n_q), zeros(n_kv), zeros(n_kv), zeros(embed_dim))
         self.window = window
+        self._rope = rope
 
     @classmethod
     def from_weights(cls, q_weight, k_weight, v_weight, out_weight, *, num_heads,
                      num_kv_heads=None, q_bias=None, k_bias=None, v_bias=None, out_bias=None,
-                     dtype=None, window=None):
+                     dtype=None, window=None, rope=None):
         """A module with the given weights, in nn.Linear layout (out_features, in_features).
 
         q_weight (num_heads * head_dim, embed_dim), k_weight (num_kv_heads * head_dim, kdim),
@@ -59,6 +62,7 @@ class MultiHeadAttentionBase:
         (some models have no bias on k only); no bias at all means bias=False. The arrays are
         copied. dtype: float32 or float64; None = float64 if any weight is float64, else float32.
         window: the sliding window, as in the constructor.
+        rope: None or a mha_cy.RoPE (rotary embeddings of the q and k heads).
         """
         window = check_window(window)
         num_heads = positive_int(num_heads, "num_heads")
@@ -75,6 +79,7 @@ class MultiHeadAttentionBase:
             raise ValueError(f"q_weight has {n_q} rows, which num_heads={num_heads} does not divide "
                              "into heads of head_dim >= 1")
         head_dim = n_q // num_heads
+        rope = check_rope(rope, head_dim)
         n_kv = num_kv_heads * head_dim
         for name, w in (("k_weight", kw), ("v_weight", vw)):
             if w.shape[0] != n_kv:
@@ -100,6 +105,7 @@ class MultiHeadAttentionBase:
         self = cls.__new__(cls)
         self._setup(num_heads, num_kv_heads, dt, qw, kw, vw, ow, *biases)
         self.window = window
+        self._rope = rope
         return self
 
     @classmethod
@@ -218,6 +224,7 @@ class MultiHeadAttentionBase:
     k_bias = property(lambda self: self._k_bias)
     v_bias = property(lambda self: self._v_bias)
     out_bias = property(lambda self: self._out_bias)
+    rope = property(lambda self: self._rope)      # None or a mha_cy.RoPE
 
     @property
     def kv_head_index(self):
@@ -238,7 +245,8 @@ class MultiHeadAttentionBase:
                 f"num_kv_heads={self.num_kv_heads}{groups}, head_dim={self.head_dim}, "
                 f"kdim={self.kdim}, vdim={self.vdim}, bias={self.out_bias is not None}, "
                 f"dtype={self.dtype}"
-                + ("" if self.window is None else f", window={self.window}") + ")")
+                + ("" if self.window is None else f", window={self.window}")
+                + f", rope={self.rope!r})")
 
     def new_cache(self, batch_size, max_len):
         """An empty KV cache for incremental decoding of batch_size sequences up to max_len."""
@@ -247,7 +255,7 @@ class MultiHeadAttentionBase:
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
                  is_causal=False, need_weights=False, cache=None, lengths=None,
-                 head_mask=None):
+                 positions=None, head_mask=None):
         """Attend query (B, Lq, E) to key (B, Lk, kdim) / value (B, Lk, vdim); see the class doc.
 
         Returns out (B, Lq, E), or (out, weights) with weights (B, num_heads, Lq, Lk) when
@@ -305,6 +313,7 @@ class MultiHeadAttentionBase:
         elif lengths is not None:
             raise ValueError("lengths= is for ragged batches in a cache: pass cache= too")
         require_causal(self.window, is_causal)
+        positions = call_positions(self.rope, positions, B, Lq, cache, self_attention)
         if key_padding_mask is not None:
             key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
         if attn_mask is not None:
@@ -319,7 +328,8 @@ class MultiHeadAttentionBase:
             weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
         else:
             out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
-                                         attn_mask, is_causal, need_weights, plan, head_mask)
+                                         attn_mask, is_causal, need_weights, plan, positions,
+                                         head_mask)
         if plan is not None:
             plan.zero_padding(out, weights)
             plan.commit()
@@ -339,11 +349,13 @@ class MultiHeadAttentionBase:
         check_dim(cache.batch_size, batch, "cache", "batch_size")
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, plan, head_mask):
+                 is_causal, need_weights, plan, positions, head_mask):
         """out (B, Lq, E) and weights (B, H, Lq, Lk) or None. Inputs are checked 3-D arrays of
         the module dtype; masks as returned by the _checks functions; with a cache, plan is its
         CachePlan: append the new keys/values (plan.write) and attend over each sequence's own
-        keys (the base zeroes the padding rows and commits). self.window applies. head_mask
-        None or (1 or B, H), scaling each head's context. Query head h reads K/V head
-        h // group, or self._kv_index[h] when that is not None."""
+        keys (the base zeroes the padding rows and commits). self.window applies.
+        positions: None, or (with self.rope) the int64 (1 or B, Lq) RoPE positions of the query
+        tokens: rotate q and k there before the cache and the attention. head_mask None or
+        (1 or B, H), scaling each head's context. Query head h reads K/V head h // group, or
+        self._kv_index[h] when that is not None."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import _attention_kernel, _linear_kernel
+from . import _attention_kernel, _linear_kernel, _rope_kernel
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
 from ._threads import blas_single_threaded, kernel_threads
@@ -111,6 +111,13 @@ def _linear(x, weight, bias, n_threads):
     return out.reshape(batch, length, -1)
 
 
+def _rotate_qk(qkv, heads, kv_heads, rope, positions, n_threads):
+    """RoPE in place on the query and key heads of a (B, heads + 2 kv_heads, L, D) QKV view,
+    at int64 (1 or B, L) positions."""
+    _rope_kernel.rope(qkv[:, :heads + kv_heads], positions, rope.inv_freq(qkv.shape[3]),
+                      rope.interleaved, n_threads)
+
+
 def _split_heads(x, heads, head_dim):
     """(B, L, heads * head_dim) -> (B, heads, L, head_dim) view."""
     return x.reshape(x.shape[0], x.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
@@ -121,9 +128,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
 
     mha = MultiHeadAttention(embed_dim, num_heads, *, num_kv_heads=None, head_dim=None,
                              kdim=None, vdim=None, bias=True, dtype=np.float32, seed=None,
-                             window=None)
+                             window=None, rope=None)
     out = mha(query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-              is_causal=False, need_weights=False, cache=None, lengths=None)
+              is_causal=False, need_weights=False, cache=None, lengths=None, positions=None)
 
     - query (B, Lq, E) (or (Lq, E), unbatched); key=None: self-attention; value=None: value = key.
     - num_kv_heads: None = num_heads (MHA), 1 = MQA, a divisor of num_heads = GQA.
@@ -142,19 +149,23 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     - head_mask: (num_heads,) or (B, num_heads) multipliers of each head's context before W_O
       (0 drops the head); the returned weights are not multiplied. prune_heads(heads) removes
       heads for good (a smaller, faster module with the same output as zeros in head_mask).
+    - rope: a mha_cy.RoPE: rotary embeddings of the q and k heads (self-attention only; the
+      cache stores rotated keys). positions: int (Lq,) or (B, Lq), the query tokens' RoPE
+      positions; default 0 .. Lq - 1 after each sequence's cached tokens.
     Weights are nn.Linear-shaped (out_features, in_features): q_weight, k_weight, v_weight,
     out_weight, q_bias, ... (the q/k/v ones are views of in_proj_weight when kdim == vdim ==
     embed_dim). Output dtype is the module dtype (float32 or float64); other inputs are converted.
     """
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, cache=None, lengths=None, head_mask=None):
+                 is_causal=False, need_weights=False, cache=None, lengths=None,
+                 positions=None, head_mask=None):
         # The common call, mha(x) or mha(x, is_causal=True) on a 3-D array of the module's
         # dtype, has nothing to check but the array itself: it skips the general argument
         # handling (about a quarter of a tiny layer's time). Everything else takes that path.
         if (key is None and value is None and key_padding_mask is None and attn_mask is None
                 and cache is None and lengths is None and need_weights is False
-                and head_mask is None
+                and positions is None and head_mask is None
                 and (is_causal is True or (is_causal is False and self.window is None))
                 and type(query) is np.ndarray and query.ndim == 3
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
@@ -163,19 +174,22 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         return super().__call__(query, key, value, key_padding_mask=key_padding_mask,
                                 attn_mask=attn_mask, is_causal=is_causal,
                                 need_weights=need_weights, cache=cache, lengths=lengths,
-                                head_mask=head_mask)
+                                positions=positions, head_mask=head_mask)
 
     def _self_attention(self, x, is_causal):
         """Self-attention of a checked, non-empty (B, L, E) array: one QKV projection, the
         attention kernel, the output projection. _forward's self-attention branch without its
-        cache, mask and weights handling: calling _forward instead cost the tiny layer 5-10 us
-        of its 61-66 (measured)."""
+        cache, mask, weights and positions handling: calling _forward instead cost the tiny
+        layer 5-10 us of its 61-66 (measured)."""
         batch, length, _ = x.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
         with blas_single_threaded():
             qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
                                heads + 2 * kv_heads, d)
+            if self.rope is not None:      # positions 0 .. L - 1 for every sequence
+                _rotate_qk(qkv, heads, kv_heads, self.rope,
+                           np.arange(length, dtype=np.int64)[None], n_threads)
             context = np.empty((batch, length, heads * d), dtype=self.dtype)
             _attention_kernel.attention(qkv[:, :heads], qkv[:, heads:heads + kv_heads],
                                         qkv[:, heads + kv_heads:],
@@ -185,7 +199,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             return _linear(context, self.out_weight, self.out_bias, n_threads)
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, plan, head_mask):
+                 is_causal, need_weights, plan, positions, head_mask):
         batch, q_len, _ = query.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_q = heads * d
@@ -194,6 +208,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             if self_attention and self.in_proj_weight is not None:
                 qkv = _linear(query, self.in_proj_weight, self.in_proj_bias, n_threads)
                 qkv = _split_heads(qkv, heads + 2 * kv_heads, d)
+                if positions is not None:
+                    _rotate_qk(qkv, heads, kv_heads, self.rope, positions, n_threads)
                 q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
             else:
                 q = _split_heads(_linear(query, self.q_weight, self.q_bias, n_threads), heads, d)

@@ -66,6 +66,20 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=No
     return out, weights
 
 
+def _rotate(x, positions, rope):
+    """x (B, H, L, D) with RoPE at positions (1 or B, L): the pairs (a, b) of the first dim
+    features turned by the angles position * base ** (-2i / dim), in float64."""
+    dim = rope.rotary_dim(x.shape[-1])
+    angle = positions[:, None, :, None] * rope.base ** (-np.arange(0, dim, 2) / dim)
+    cos, sin = np.cos(angle), np.sin(angle)
+    pairs = np.arange(dim // 2)
+    a, b = (2 * pairs, 2 * pairs + 1) if rope.interleaved else (pairs, pairs + dim // 2)
+    out = x.astype(np.float64)
+    out[..., a] = x[..., a] * cos - x[..., b] * sin
+    out[..., b] = x[..., b] * cos + x[..., a] * sin
+    return out.astype(x.dtype)
+
+
 def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
                                  window=None):
     """softmax(q k^T * scale + mask) v; see mha_cy.scaled_dot_product_attention."""
@@ -100,7 +114,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     """Multi-head attention in plain NumPy; see mha_cy.MultiHeadAttention."""
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
-                 is_causal, need_weights, plan, head_mask):
+                 is_causal, need_weights, plan, positions, head_mask):
         batch, q_len, _ = query.shape
 
         def project(x, weight, bias, heads):       # (B, L, in) -> (B, heads, L, head_dim)
@@ -112,6 +126,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         q = project(query, self.q_weight, self.q_bias, self.num_heads)
         k = project(key, self.k_weight, self.k_bias, self.num_kv_heads)
         v = project(value, self.v_weight, self.v_bias, self.num_kv_heads)
+        if positions is not None:
+            q, k = _rotate(q, positions, self.rope), _rotate(k, positions, self.rope)
         scale = 1.0 / np.sqrt(self.head_dim)
         if plan is not None:
             k, v = plan.write(k, v)

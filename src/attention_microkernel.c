@@ -43,11 +43,12 @@
                    ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, \
                    ptrdiff_t k_end, REAL scale, const REAL *add, ptrdiff_t add_rs,           \
                    ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,              \
-                   ptrdiff_t limit_step, REAL *m, REAL *l, REAL *acc, REAL *work)            \
+                   ptrdiff_t limit_step, ptrdiff_t window, REAL *m, REAL *l, REAL *acc,      \
+                   REAL *work)                                                               \
     {                                                                                        \
         MHA_SIMD_CALL(FUNC##SFX, (q, q_rs, rows, d, k, k_rs, v, v_rs, dv, k_begin, k_end,   \
-                                  scale, add, add_rs, add_ks, pad, limit, limit_step, m, l,  \
-                                  acc, work))                                                \
+                                  scale, add, add_rs, add_ks, pad, limit, limit_step,        \
+                                  window, m, l, acc, work))                                  \
     }
 DEFINE_DISPATCH(float, f32, mha_fused_attend_)
 DEFINE_DISPATCH(double, f64, mha_fused_attend_)

@@ -26,16 +26,16 @@
 #ifdef MHA_SIMD_DISPATCH
 #define DEFINE_DISPATCH(REAL, SFX)                                                           \
     void mha_online_softmax_row_##SFX(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,  \
-                                      const unsigned char *pad, int n_valid,                 \
+                                      const unsigned char *pad, int n_skip, int n_valid,     \
                                       REAL *m, REAL *l, REAL *acc, int dv)                   \
     {                                                                                        \
         MHA_SIMD_CALL(mha_online_softmax_row_##SFX,                                          \
-                      (s, n, add, add_stride, pad, n_valid, m, l, acc, dv))                  \
+                      (s, n, add, add_stride, pad, n_skip, n_valid, m, l, acc, dv))                  \
     }                                                                                        \
     void mha_softmax_row_##SFX(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,         \
-                               const unsigned char *pad, int n_valid)                        \
+                               const unsigned char *pad, int n_skip, int n_valid)            \
     {                                                                                        \
-        MHA_SIMD_CALL(mha_softmax_row_##SFX, (s, n, add, add_stride, pad, n_valid))          \
+        MHA_SIMD_CALL(mha_softmax_row_##SFX, (s, n, add, add_stride, pad, n_skip, n_valid))          \
     }                                                                                        \
     void mha_finish_row_##SFX(const REAL *acc, REAL l, REAL *out, int dv)                    \
     {                                                                                        \
