@@ -21,7 +21,7 @@ Layout of the package (one job per file):
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
-                          (projections of <= 256 rows), small_gemm (decode projections)
+                          (the projections), small_gemm (decode projections)
 """
 from ._version import __version__
 from ._cache import KVCache

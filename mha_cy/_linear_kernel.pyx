@@ -9,11 +9,14 @@ square tiles re-read the least), except on the two paths that replace BLAS, wher
 column blocks over all rows:
 - up to 8 rows against a weight larger than L2 (decode steps), src/small_gemm.c: each thread
   streams only its own weight rows, once;
-- up to PANEL_MAX_ROWS rows, src/row_panel_gemm.c: x is packed once into panels shared by
-  the tiles, the weight is read in place (BLAS's per-call costs dominate at these sizes).
+- every other row count (up to PANEL_MAX_ROWS, unlimited by default), src/row_panel_gemm.c: x
+  is packed once into panels shared by the tiles, the weight is read in place (BLAS's per-call
+  costs dominate small products, and its tiles ran 2-4x slow above 256 rows: PANEL_MAX_ROWS).
+BLAS tiles remain for K = 0 and when tests or tuning lower PANEL_MAX_ROWS.
 """
 from libc.math cimport sqrt
 from libc.limits cimport INT_MAX
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
@@ -45,8 +48,22 @@ cdef extern from "row_panel_gemm.h" nogil:
                                 double *out, Py_ssize_t ldo, Py_ssize_t j0, Py_ssize_t j1)
     int mha_row_panel_set_isa(int level)
 
-# Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements).
-cdef Py_ssize_t PANEL_MAX_ROWS = 256
+# Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
+# every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30
+# (scipy's, Haswell sgemm kernel, GEMM_P = GEMM_Q = 320 in its gotoblas table) ran our tiles
+# (sgemm 'T','N': BLAS's M = the tile's weight rows, N = its token rows) at 4-10 GFLOP/s
+# against 35 for one large call (Zen 1, one thread, CPU time): 376 rows x 384 cols x K 384,
+# 27 ms; 288 x 384, 15 ms; 384 x 288, 8.6 ms; and in the 'N','T' layout a call of <= 320 rows
+# runs 2.8x slower until one call of more rows (and >= 24 columns) has run in the process, for
+# good (the pages past the packed-B slab of its buffer, which only such calls write, lazily
+# mapped: consistent with the kernel reading ahead into unmapped pages). Measured in one run
+# (a fresh process per figure as in benchmarks/linear_paths.py, CPU time, 1 thread, ms, loaded
+# machine; BLAS tiles -> panels, numpy's one large sgemm): M, K -> N = 128, 768 -> 2304: 13.0
+# -> 13.2, 15.2; 4096, 768 -> 2304: 1782 -> 456, 496; 4096, 512 -> 1536: 935 -> 240, 187;
+# 512, 384 -> 1152: 46 -> 14.3, 14.2; M = 257, 300, 1024, 4096 of 384 -> 1152: 42 -> 7.7, 7.6;
+# 125 -> 8.3, 9.2; 143 -> 37, 29; 830 -> 147, 107. Two threads (total CPU time) alike: 4096,
+# 768 -> 2304: 1535 -> 445; 512, 384 -> 1152: 631 -> 23.
+cdef Py_ssize_t PANEL_MAX_ROWS = PY_SSIZE_T_MAX
 # Where src/small_gemm.c replaces BLAS (small_gemm.h has the measurements); variables so that
 # tuning and tests can move the crossover (_set_small_gemm_rule).
 cdef Py_ssize_t SMALL_GEMM_MAX_ROWS = MHA_SMALL_GEMM_MAX_ROWS
@@ -169,7 +186,7 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     # decode steps: a few rows against a weight larger than L2 (small_gemm.h)
     cdef bint few_rows = (M <= SMALL_GEMM_MAX_ROWS
                           and N * K * sizeof(floating) >= SMALL_GEMM_MIN_WEIGHT_BYTES)
-    # moderate row counts: x packed once into panels, shared by every column tile
+    # the default: x packed once into panels, shared by every column tile
     cdef bint panels = not few_rows and M <= PANEL_MAX_ROWS and K > 0
     cdef floating *packed = NULL
     if panels:
