@@ -56,13 +56,18 @@ cdef extern from "row_panel_gemm.h" nogil:
 # 27 ms; 288 x 384, 15 ms; 384 x 288, 8.6 ms; and in the 'N','T' layout a call of <= 320 rows
 # runs 2.8x slower until one call of more rows (and >= 24 columns) has run in the process, for
 # good (the pages past the packed-B slab of its buffer, which only such calls write, lazily
-# mapped: consistent with the kernel reading ahead into unmapped pages). Measured in one run
-# (a fresh process per figure as in benchmarks/linear_paths.py, CPU time, 1 thread, ms, loaded
-# machine; BLAS tiles -> panels, numpy's one large sgemm): M, K -> N = 128, 768 -> 2304: 13.0
-# -> 13.2, 15.2; 4096, 768 -> 2304: 1782 -> 456, 496; 4096, 512 -> 1536: 935 -> 240, 187;
-# 512, 384 -> 1152: 46 -> 14.3, 14.2; M = 257, 300, 1024, 4096 of 384 -> 1152: 42 -> 7.7, 7.6;
-# 125 -> 8.3, 9.2; 143 -> 37, 29; 830 -> 147, 107. Two threads (total CPU time) alike: 4096,
-# 768 -> 2304: 1535 -> 445; 512, 384 -> 1152: 631 -> 23.
+# mapped: consistent with the kernel reading ahead into unmapped pages). One run of
+# benchmarks/linear_paths.py (a fresh process per figure, CPU time, loaded machine; ms, BLAS
+# tiles above 256 rows -> panels, numpy's one large sgemm; 1 thread, then 2):
+#   M, K -> N            1 thread               2 threads (total CPU)
+#   4096, 768 -> 2304    420 -> 403, 385        445 -> 414, 456
+#   4096, 512 -> 1536    688 -> 186, 180        701 -> 199, 218
+#   512, 384 -> 1152     34.0 -> 13.0, 14.1     35.7 -> 19.7, 23.8
+#   257, 384 -> 1152     18.7 -> 6.8, 7.3       21.1 -> 16.0, 18.3
+#   300, 384 -> 1152     18.9 -> 7.6, 8.5       23.5 -> 10.2, 24.0
+#   1024, 384 -> 1152    64.0 -> 26.3, 26.3     61.9 -> 25.6, 37.4
+#   4096, 384 -> 1152    327 -> 103, 101        327 -> 116, 115
+# (128 rows, on panels before too: 768 -> 2304 12.3, 768 -> 768 4.2.)
 cdef Py_ssize_t PANEL_MAX_ROWS = PY_SSIZE_T_MAX
 # Where src/small_gemm.c replaces BLAS (small_gemm.h has the measurements); variables so that
 # tuning and tests can move the crossover (_set_small_gemm_rule).
@@ -75,6 +80,10 @@ cdef double MIN_TILE_FLOPS = 16e6
 cdef Py_ssize_t MAX_TILES = 64
 # BLAS takes 32-bit sizes: a tile's rows and columns stay far below 2**31 whatever the shape.
 cdef Py_ssize_t MAX_TILE_EDGE = 1 << 20
+# A panel tile's weight columns fill about this much of L2 at least: each tile streams all of
+# the packed x once, so narrow tiles re-read x too often (4096 x 384 -> 1152, one thread: 32
+# columns per tile 140 ms, 144 columns 109; 1024 rows: 33 -> 27).
+cdef Py_ssize_t PANEL_TILE_WEIGHT_BYTES = 192 * 1024
 # Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
 cdef Py_ssize_t COL_ALIGN = 16
 cdef Py_ssize_t ROW_ALIGN = 8
@@ -133,7 +142,8 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
 
 
 cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
-                     Py_ssize_t *tile_rows, Py_ssize_t *tile_cols) noexcept nogil:
+                     Py_ssize_t *tile_rows, Py_ssize_t *tile_cols,
+                     Py_ssize_t min_cols=1) noexcept nogil:
     """Tile sizes for an (M, N) output with inner size K: a function of the shape only.
     BLAS tiles: about `target` tiles of near-square shape, side = sqrt(M N / target): about
     N / side columns of tiles and target / that many rows (at least 1 each way). Column blocks
@@ -146,14 +156,16 @@ cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_block
     cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (N / side + 0.5))
     cdef Py_ssize_t row_tiles = 1 if column_blocks else max(1, <Py_ssize_t> (target / col_tiles + 0.5))
     col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
+    col_tiles = min(col_tiles, max(1, N // max(1, min_cols)))     # tiles of >= min_cols columns
     tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN), MAX_TILE_EDGE)
     tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN), MAX_TILE_EDGE)
 
 
-def tile_grid(M, N, K, column_blocks=False):
-    """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning)."""
+def tile_grid(M, N, K, column_blocks=False, min_cols=1):
+    """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning); the panel
+    path passes min_cols = PANEL_TILE_WEIGHT_BYTES // (K * itemsize)."""
     cdef Py_ssize_t tr, tc
-    _tile_grid(M, N, K, column_blocks, &tr, &tc)
+    _tile_grid(M, N, K, column_blocks, &tr, &tc, min_cols)
     return tr, tc
 
 
@@ -202,7 +214,8 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
             else:
                 mha_pack_row_panels_f64(x_ptr, ldx, M, K, packed)
     cdef Py_ssize_t tile_rows, tile_cols
-    _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols)
+    _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols,
+               PANEL_TILE_WEIGHT_BYTES // (K * sizeof(floating)) if panels else 1)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles
