@@ -24,7 +24,7 @@ Layout of the package (one job per file):
   _blas_kernel.py         OpenBLAS core names -> SIMD levels: warn when BLAS runs below the CPU
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
-                          (projections of <= 256 rows), small_gemm (decode projections),
+                          (the projections), small_gemm (decode projections),
                           rope (the rotary embeddings' cos/sin and rotation)
 """
 from ._version import __version__

@@ -9,11 +9,14 @@ square tiles re-read the least), except on the two paths that replace BLAS, wher
 column blocks over all rows:
 - up to 8 rows against a weight larger than L2 (decode steps), src/small_gemm.c: each thread
   streams only its own weight rows, once;
-- up to PANEL_MAX_ROWS rows, src/row_panel_gemm.c: x is packed once into panels shared by
-  the tiles, the weight is read in place (BLAS's per-call costs dominate at these sizes).
+- every other row count (up to PANEL_MAX_ROWS, unlimited by default), src/row_panel_gemm.c: x
+  is packed once into panels shared by the tiles, the weight is read in place (BLAS's per-call
+  costs dominate small products, and its tiles ran 2-4x slow above 256 rows: PANEL_MAX_ROWS).
+BLAS tiles remain for K = 0 and when tests or tuning lower PANEL_MAX_ROWS.
 """
 from libc.math cimport sqrt
 from libc.limits cimport INT_MAX
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
@@ -45,8 +48,27 @@ cdef extern from "row_panel_gemm.h" nogil:
                                 double *out, Py_ssize_t ldo, Py_ssize_t j0, Py_ssize_t j1)
     int mha_row_panel_set_isa(int level)
 
-# Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements).
-cdef Py_ssize_t PANEL_MAX_ROWS = 256
+# Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
+# every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30
+# (scipy's, Haswell sgemm kernel, GEMM_P = GEMM_Q = 320 in its gotoblas table) ran our tiles
+# (sgemm 'T','N': BLAS's M = the tile's weight rows, N = its token rows) at 4-10 GFLOP/s
+# against 35 for one large call (Zen 1, one thread, CPU time): 376 rows x 384 cols x K 384,
+# 27 ms; 288 x 384, 15 ms; 384 x 288, 8.6 ms; and in the 'N','T' layout a call of <= 320 rows
+# runs 2.8x slower until one call of more rows (and >= 24 columns) has run in the process, for
+# good (the pages past the packed-B slab of its buffer, which only such calls write, lazily
+# mapped: consistent with the kernel reading ahead into unmapped pages). One run of
+# benchmarks/linear_paths.py (a fresh process per figure, CPU time, loaded machine; ms, BLAS
+# tiles above 256 rows -> panels, numpy's one large sgemm; 1 thread, then 2):
+#   M, K -> N            1 thread               2 threads (total CPU)
+#   4096, 768 -> 2304    420 -> 403, 385        445 -> 414, 456
+#   4096, 512 -> 1536    688 -> 186, 180        701 -> 199, 218
+#   512, 384 -> 1152     34.0 -> 13.0, 14.1     35.7 -> 19.7, 23.8
+#   257, 384 -> 1152     18.7 -> 6.8, 7.3       21.1 -> 16.0, 18.3
+#   300, 384 -> 1152     18.9 -> 7.6, 8.5       23.5 -> 10.2, 24.0
+#   1024, 384 -> 1152    64.0 -> 26.3, 26.3     61.9 -> 25.6, 37.4
+#   4096, 384 -> 1152    327 -> 103, 101        327 -> 116, 115
+# (128 rows, on panels before too: 768 -> 2304 12.3, 768 -> 768 4.2.)
+cdef Py_ssize_t PANEL_MAX_ROWS = PY_SSIZE_T_MAX
 # Where src/small_gemm.c replaces BLAS (small_gemm.h has the measurements); variables so that
 # tuning and tests can move the crossover (_set_small_gemm_rule).
 cdef Py_ssize_t SMALL_GEMM_MAX_ROWS = MHA_SMALL_GEMM_MAX_ROWS
@@ -58,6 +80,10 @@ cdef double MIN_TILE_FLOPS = 16e6
 cdef Py_ssize_t MAX_TILES = 64
 # BLAS takes 32-bit sizes: a tile's rows and columns stay far below 2**31 whatever the shape.
 cdef Py_ssize_t MAX_TILE_EDGE = 1 << 20
+# A panel tile's weight columns fill about this much of L2 at least: each tile streams all of
+# the packed x once, so narrow tiles re-read x too often (4096 x 384 -> 1152, one thread: 32
+# columns per tile 140 ms, 144 columns 109; 1024 rows: 33 -> 27).
+cdef Py_ssize_t PANEL_TILE_WEIGHT_BYTES = 192 * 1024
 # Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
 cdef Py_ssize_t COL_ALIGN = 16
 cdef Py_ssize_t ROW_ALIGN = 8
@@ -116,7 +142,8 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
 
 
 cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
-                     Py_ssize_t *tile_rows, Py_ssize_t *tile_cols) noexcept nogil:
+                     Py_ssize_t *tile_rows, Py_ssize_t *tile_cols,
+                     Py_ssize_t min_cols=1) noexcept nogil:
     """Tile sizes for an (M, N) output with inner size K: a function of the shape only.
     BLAS tiles: about `target` tiles of near-square shape, side = sqrt(M N / target): about
     N / side columns of tiles and target / that many rows (at least 1 each way). Column blocks
@@ -129,14 +156,16 @@ cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_block
     cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (N / side + 0.5))
     cdef Py_ssize_t row_tiles = 1 if column_blocks else max(1, <Py_ssize_t> (target / col_tiles + 0.5))
     col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
+    col_tiles = min(col_tiles, max(1, N // max(1, min_cols)))     # tiles of >= min_cols columns
     tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN), MAX_TILE_EDGE)
     tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN), MAX_TILE_EDGE)
 
 
-def tile_grid(M, N, K, column_blocks=False):
-    """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning)."""
+def tile_grid(M, N, K, column_blocks=False, min_cols=1):
+    """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning); the panel
+    path passes min_cols = PANEL_TILE_WEIGHT_BYTES // (K * itemsize)."""
     cdef Py_ssize_t tr, tc
-    _tile_grid(M, N, K, column_blocks, &tr, &tc)
+    _tile_grid(M, N, K, column_blocks, &tr, &tc, min_cols)
     return tr, tc
 
 
@@ -169,7 +198,7 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     # decode steps: a few rows against a weight larger than L2 (small_gemm.h)
     cdef bint few_rows = (M <= SMALL_GEMM_MAX_ROWS
                           and N * K * sizeof(floating) >= SMALL_GEMM_MIN_WEIGHT_BYTES)
-    # moderate row counts: x packed once into panels, shared by every column tile
+    # the default: x packed once into panels, shared by every column tile
     cdef bint panels = not few_rows and M <= PANEL_MAX_ROWS and K > 0
     cdef floating *packed = NULL
     if panels:
@@ -185,7 +214,8 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
             else:
                 mha_pack_row_panels_f64(x_ptr, ldx, M, K, packed)
     cdef Py_ssize_t tile_rows, tile_cols
-    _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols)
+    _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols,
+               PANEL_TILE_WEIGHT_BYTES // (K * sizeof(floating)) if panels else 1)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles

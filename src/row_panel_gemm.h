@@ -14,9 +14,8 @@
  * Measured against OpenBLAS 0.3.30 (Haswell kernels), one core of a Zen 1 EPYC, float32,
  * CPU time, GFLOP/s blas -> here: 16x64 @ 64x192 (a tiny layer's QKV) 10.2 -> 25.4;
  * 16x768 @ 768x2304 11.7 -> 35.4; 128x768 @ 768x2304 (a BERT encoder call) 32.8 -> 37.4;
- * 256 rows 30.8 -> 38.1; 1024 rows 34.2 -> 36.2. mha_cy/_linear_kernel.pyx uses it up to
- * PANEL_MAX_ROWS = 256 rows: beyond, BLAS stays the engine (its AVX-512 kernels on the CPUs
- * that have them are faster still at large sizes). */
+ * 256 rows 30.8 -> 38.1; 1024 rows 34.2 -> 36.2. mha_cy/_linear_kernel.pyx uses it for every
+ * row count: its BLAS tiles above 256 rows ran 2-4x slower than that (PANEL_MAX_ROWS there). */
 #ifndef MHA_ROW_PANEL_GEMM_H
 #define MHA_ROW_PANEL_GEMM_H
 
