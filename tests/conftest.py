@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mha_cy
-from mha_cy import reference
+from mha_cy import _attention_kernel, reference
 
 DTYPES = [np.float32, np.float64]
 # float32: the kernels sum in another order than NumPy and use a vectorized exp (~1 ulp).
@@ -112,3 +112,11 @@ def check_modules(fast, ref, query, key=None, value=None, dtype=None, factor=1.0
     assert_close(out_nw, out_r, dtype, factor, "output (need_weights=False)")
     assert_close(w_f, w_r, dtype, factor, "weights")
     return out_r, w_r
+
+
+@pytest.fixture(params=["fused", "blas"])
+def tile_kernel(request):
+    """Each test once per tile kernel: the fused kernel and the BLAS path it replaces."""
+    previous = _attention_kernel._set_tile_kernel(request.param)
+    yield request.param
+    _attention_kernel._set_tile_kernel(previous)

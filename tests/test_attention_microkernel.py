@@ -14,14 +14,6 @@ from conftest import DTYPES, assert_close, make_pair
 HEAD_DIMS = [1, 7, 16, 64, 100, 128, 256]
 
 
-@pytest.fixture(params=["fused", "blas"])
-def tile_kernel(request):
-    """Each test once per tile kernel: the BLAS path is the one the fused kernel replaces."""
-    previous = _attention_kernel._set_tile_kernel(request.param)
-    yield request.param
-    _attention_kernel._set_tile_kernel(previous)
-
-
 @pytest.fixture
 def fused():
     previous = _attention_kernel._set_tile_kernel("fused")

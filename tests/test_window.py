@@ -10,13 +10,6 @@ from mha_cy import _attention_kernel, reference
 from conftest import DTYPES, assert_close, make_pair
 
 
-@pytest.fixture(params=["fused", "blas"])
-def tile_kernel(request):
-    previous = _attention_kernel._set_tile_kernel(request.param)
-    yield request.param
-    _attention_kernel._set_tile_kernel(previous)
-
-
 @pytest.fixture
 def small_tiles():
     """Tiles of 16 queries x 32 keys: windows then cover tiles fully, partly or not at all."""
