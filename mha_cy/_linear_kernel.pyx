@@ -7,8 +7,8 @@ depends on its shape, so fixing the tiles by the shape makes the result bitwise 
 any number of threads. Tiles are near-square (a tile re-reads its rows of x and of the weight:
 square tiles re-read the least), except on the two paths that replace BLAS, where tiles are
 column blocks over all rows:
-- up to 8 rows against a weight larger than L2 (decode steps), src/small_gemm.c: each thread
-  streams only its own weight rows, once;
+- up to 8 rows (decode steps), src/small_gemm.c: each thread streams only its own weight rows,
+  once, and computes no padding rows;
 - every other row count (up to PANEL_MAX_ROWS, unlimited by default), src/row_panel_gemm.c: x
   is packed once into panels shared by the tiles, the weight is read in place (BLAS's per-call
   costs dominate small products, and its tiles ran 2-4x slow above 256 rows: PANEL_MAX_ROWS).
@@ -195,7 +195,7 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef const floating *w_ptr = &weight[0, 0]
     cdef floating *o_ptr = &out[0, 0]
     cdef Py_ssize_t ldx = max(K, 1), ldo = N
-    # decode steps: a few rows against a weight larger than L2 (small_gemm.h)
+    # decode steps: a few rows (small_gemm.h: the panels would compute 16 rows each)
     cdef bint few_rows = (M <= SMALL_GEMM_MAX_ROWS
                           and N * K * sizeof(floating) >= SMALL_GEMM_MIN_WEIGHT_BYTES)
     # the default: x packed once into panels, shared by every column tile

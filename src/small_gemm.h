@@ -17,11 +17,16 @@
 extern "C" {
 #endif
 
-/* Where the small-m path beats BLAS (measured, 1 thread): up to this many rows of x, with a
- * weight too large for L2 (below that BLAS is as fast or faster: 1 x 256 @ 256 x 768 took
- * 12 us in BLAS, 18 us here; 1 x 512 @ 512 x 1536, 281 us in BLAS, 62 us here). */
+/* Up to this many rows of x the small-m path runs, whatever the weight's size. Against BLAS it
+ * won only for weights too large for L2 (1 x 256 @ 256 x 768: 12 us in BLAS, 18 us here), but
+ * the alternative is now row_panel_gemm.c, which computes whole panels of 16 rows: for one row
+ * that is 16x the work. Measured (Zen 1, 1 thread, float32, us, panels -> here):
+ *   1 x 64 @ 64 x 192     13.5 -> 3.8       1 x 256 @ 256 x 768   169 -> 21
+ *   4 x 256 @ 256 x 768    172 -> 61        8 x 256 @ 256 x 768   174 -> 118
+ *   8 x 512 @ 512 x 1536   427 -> 423      12 rows 675 -> 623, 16 rows 686 -> 846 (panels win)
+ * A weight-size floor stays as a tuning knob (_set_small_gemm_rule), 0 by default. */
 #define MHA_SMALL_GEMM_MAX_ROWS 8
-#define MHA_SMALL_GEMM_MIN_WEIGHT_BYTES (1 << 20)
+#define MHA_SMALL_GEMM_MIN_WEIGHT_BYTES 0
 
 /* out[i, j] = sum_k x[i, k] w[j, k] + bias[j]  for i < m, j < n.
  * x: m rows of k values, row stride ldx; w: n rows of k values, row stride ldw;

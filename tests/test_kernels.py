@@ -49,7 +49,7 @@ def test_gemm_memview_beta_zero_ignores_nan():
 # -- _linear_kernel ---------------------------------------------------------------------------
 
 # linear() cuts the output into near-square tiles whose sizes depend on the shape only (fewer
-# for small work: MIN_TILE_FLOPS); up to 8 rows against a weight of >= 1 MiB (small_gemm.h), the
+# for small work: MIN_TILE_FLOPS); up to 8 rows (small_gemm.h), the
 # tiles are column blocks computed by src/small_gemm.c in groups of 4 rows x 8, 4 or 1 weight
 # rows, 16 lanes at a time (float; 8 for double): the "small" shapes hit every group size and
 # remainder. The tests also run with tiny tiles (`many_tiles`) so that small shapes cross tile
@@ -60,7 +60,7 @@ SHAPES = {
     "small_3_rows": (3, 300, 1000),
     "small_7_rows_k_tail": (7, 517, 520),
     "small_8_rows": (8, 256, 1100),
-    "blas_few_rows_small_weight": (4, 16, 40),
+    "few_rows_small_weight": (4, 16, 40),
     "blas_columns": (40, 24, 300),       # wide N
     "blas_rows": (70, 24, 40),
     "blas_rows_uneven": (33, 7, 100),
