@@ -645,6 +645,18 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     return out
 
 
+# Whether every rule above has its default value: mha_cy/_step_kernel.pyx reproduces the
+# default rules for decode steps, and steps aside when a test or a tuning run moves one.
+default_rules = True
+
+
+def _note_rules():
+    global default_rules
+    default_rules = ((BLOCK_Q, BLOCK_K, TILE_KERNEL, FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D)
+                     == (256, 256, TILE_AUTO, MHA_FUSED_DIRECT_MAX_ROWS,
+                         MHA_FUSED_DIRECT_MIN_HEAD_DIM))
+
+
 def _set_tile_sizes(block_q, block_k):
     """Set the query rows per task and keys per score tile; return the previous pair."""
     global BLOCK_Q, BLOCK_K
@@ -652,6 +664,7 @@ def _set_tile_sizes(block_q, block_k):
         raise ValueError(f"tile sizes must be >= 1; got ({block_q}, {block_k})")
     previous = (BLOCK_Q, BLOCK_K)
     BLOCK_Q, BLOCK_K = block_q, block_k
+    _note_rules()
     return previous
 
 
@@ -664,6 +677,7 @@ def _set_tile_kernel(name):
         raise ValueError(f"tile kernel must be one of {sorted(_TILE_KERNEL_NAMES)}; got {name!r}")
     previous = next(n for n, k in _TILE_KERNEL_NAMES.items() if k == TILE_KERNEL)
     TILE_KERNEL = _TILE_KERNEL_NAMES[name]
+    _note_rules()
     return previous
 
 
@@ -675,4 +689,5 @@ def _set_fused_direct(rows, min_head_dim):
         raise ValueError(f"rows and min_head_dim must be >= 0; got {rows}, {min_head_dim}")
     previous = (FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D)
     FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D = rows, min_head_dim
+    _note_rules()
     return previous

@@ -247,11 +247,17 @@ def _set_tiling(min_tile_flops, max_tiles):
     return previous
 
 
+# Whether the small_gemm rule has its default value (mha_cy/_step_kernel.pyx relies on it).
+default_rules = True
+
+
 def _set_small_gemm_rule(max_rows, min_weight_bytes):
     """Use small_gemm for <= max_rows rows and weights >= min_weight_bytes; return the old pair."""
-    global SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES
+    global SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES, default_rules
     previous = (SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES)
     SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES = max_rows, min_weight_bytes
+    default_rules = (max_rows, min_weight_bytes) == (MHA_SMALL_GEMM_MAX_ROWS,
+                                                     MHA_SMALL_GEMM_MIN_WEIGHT_BYTES)
     return previous
 
 

@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 
-from . import _attention_kernel, _linear_kernel, _rope_kernel
+from . import _attention_kernel, _linear_kernel, _rope_kernel, _step_kernel
+from ._cache import KVCache
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
 from ._threads import blas_single_threaded, kernel_threads
@@ -171,6 +172,20 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
                 and query.shape[0] and query.shape[1] and self.in_proj_weight is not None):
             return self._self_attention(query, is_causal)
+        # The common decode step, mha(x, cache=cache): the same, for a cache of this module's
+        # geometry whose sequences all have the same length (the general path costs a small
+        # model's step several times its kernels).
+        if (cache is not None and type(cache) is KVCache and cache._equal_length is not None
+                and key is None and value is None and key_padding_mask is None
+                and attn_mask is None and lengths is None and need_weights is False
+                and positions is None and head_mask is None
+                and (is_causal is True or is_causal is False)
+                and type(query) is np.ndarray and query.ndim == 3
+                and query.dtype == self.dtype and query.shape[2] == self.embed_dim
+                and query.shape[0] == cache.key.shape[0] and query.shape[1]
+                and cache.key.dtype == self.dtype and cache.key.shape[1] == self.num_kv_heads
+                and cache.key.shape[3] == self.head_dim and self.in_proj_weight is not None):
+            return self._cached_step(query, cache)
         return super().__call__(query, key, value, key_padding_mask=key_padding_mask,
                                 attn_mask=attn_mask, is_causal=is_causal,
                                 need_weights=need_weights, cache=cache, lengths=lengths,
@@ -197,6 +212,47 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                         is_causal, 1.0 / math.sqrt(d), None, n_threads,
                                         self.window or 0, None, self._kv_index)
             return _linear(context, self.out_weight, self.out_bias, n_threads)
+
+    def _cached_step(self, x, cache):
+        """Append a checked, non-empty (B, L, E) array to a cache of equal lengths and attend
+        causally over it: _forward with a uniform CachePlan, without its general handling.
+        The room check comes first, so a failed call changes nothing."""
+        batch, length, _ = x.shape
+        start = cache._equal_length
+        stop = start + length
+        if stop > cache.key.shape[2]:
+            cache._check_room_uniform(length)     # raises, naming the sizes
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        n_threads = kernel_threads()
+        if self._kv_index is None:         # small steps: one compiled call (it calls no BLAS)
+            rope = self.rope
+            out = _step_kernel.decode_step(
+                x, start, cache.key, cache.value, self.in_proj_weight, self.in_proj_bias,
+                self.out_weight, self.out_bias, heads, kv_heads, self.window or 0,
+                None if rope is None else rope.inv_freq(d),
+                False if rope is None else rope.interleaved, n_threads)
+            if out is not None:
+                cache._lengths.fill(stop)
+                cache._equal_length = stop
+                return out
+        with blas_single_threaded():
+            qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
+                               heads + 2 * kv_heads, d)
+            if self.rope is not None:      # positions start .. stop - 1 for every sequence
+                _rotate_qk(qkv, heads, kv_heads, self.rope,
+                           np.arange(start, stop, dtype=np.int64)[None], n_threads)
+            keys, values = cache.key[:, :, :stop], cache.value[:, :, :stop]
+            keys[:, :, start:] = qkv[:, heads:heads + kv_heads]
+            values[:, :, start:] = qkv[:, heads + kv_heads:]
+            context = np.empty((batch, length, heads * d), dtype=self.dtype)
+            _attention_kernel.attention(qkv[:, :heads], keys, values,
+                                        _split_heads(context, heads, d), None, None, True,
+                                        1.0 / math.sqrt(d), None, n_threads, self.window or 0,
+                                        None, self._kv_index)
+            out = _linear(context, self.out_weight, self.out_bias, n_threads)
+        cache._lengths.fill(stop)
+        cache._equal_length = stop
+        return out
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
                  is_causal, need_weights, plan, positions, head_mask):

@@ -1,0 +1,327 @@
+"""A decode step of a small module in one compiled call: projections, RoPE, the cache write,
+attention and the output projection, with no Python in between.
+
+For a small model the general path (mha_cy/attention.py: one kernel call per stage, each with
+its argument parsing, memoryview acquisitions and temporaries) cost about 60 us of a 64 us
+step (E = 64, 4 heads, 16 cached tokens; the kernels themselves take a few). Here the stages
+are the same C functions, called on raw pointers of arrays that the caller has checked.
+
+It computes exactly what the general path computes, bit for bit, which is what makes it a
+pure speed-up (tests/test_step_kernel.py checks it):
+- the projections of B * L <= MHA_SMALL_GEMM_MAX_ROWS rows are src/small_gemm.c over all
+  columns (the general path's column tiles call the same function; each output is one chain
+  of FMAs whatever the tile);
+- RoPE is src/rope.c on one block of rows, as _rope_kernel with its 16-row tasks;
+- attention reproduces _attention_kernel's tasks for this shape (a GQA group's heads as the
+  rows of one task when L = 1, else one task per query head) and calls the same fused kernel
+  with the same arguments; it declines (returns None) where that kernel would split the keys
+  (split-K), run BLAS tiles or use threads, and wherever tuning knobs moved a rule.
+It runs on the calling thread: it is only used for work that _attention_kernel would give one
+thread too (or with one thread asked), so there is nothing to gain from a parallel region.
+"""
+cimport numpy as cnp
+from libc.math cimport INFINITY, sqrt
+from libc.stdint cimport int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
+from cython cimport floating
+
+import numpy as np
+
+from . import _attention_kernel, _linear_kernel
+
+cnp.import_array()
+
+cdef extern from "small_gemm.h" nogil:
+    enum: MHA_SMALL_GEMM_MAX_ROWS
+    void mha_small_gemm_f32(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw,
+                            const float *bias, float *out, Py_ssize_t ldo,
+                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
+    void mha_small_gemm_f64(const double *x, Py_ssize_t ldx, const double *w, Py_ssize_t ldw,
+                            const double *bias, double *out, Py_ssize_t ldo,
+                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
+
+cdef extern from "rope.h" nogil:
+    void mha_rope_table_f32(const int64_t *positions, Py_ssize_t rows, const double *inv_freq,
+                            Py_ssize_t half, float *cos_out, float *sin_out)
+    void mha_rope_table_f64(const int64_t *positions, Py_ssize_t rows, const double *inv_freq,
+                            Py_ssize_t half, double *cos_out, double *sin_out)
+    void mha_rope_rotate_f32(float *x, Py_ssize_t rows, Py_ssize_t row_stride, Py_ssize_t heads,
+                             Py_ssize_t head_stride, const float *cos, const float *sin,
+                             Py_ssize_t half, int interleaved)
+    void mha_rope_rotate_f64(double *x, Py_ssize_t rows, Py_ssize_t row_stride,
+                             Py_ssize_t heads, Py_ssize_t head_stride, const double *cos,
+                             const double *sin, Py_ssize_t half, int interleaved)
+
+cdef extern from "attention_tile.h" nogil:
+    void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
+    void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
+
+cdef extern from "attention_microkernel.h" nogil:
+    enum: MHA_FUSED_MAX_HEAD_DIM
+    enum: MHA_FUSED_DIRECT_MAX_ROWS
+    enum: MHA_FUSED_DIRECT_MIN_HEAD_DIM
+    Py_ssize_t mha_fused_scratch_f32(int d)
+    Py_ssize_t mha_fused_scratch_f64(int d)
+    void mha_fused_attend_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                              const float *k, Py_ssize_t k_rs, const float *v, Py_ssize_t v_rs,
+                              int dv, Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
+                              const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
+                              const unsigned char *pad, Py_ssize_t limit, Py_ssize_t limit_step,
+                              Py_ssize_t window, float *m, float *l, float *acc, float *work)
+    void mha_fused_attend_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
+                              const double *k, Py_ssize_t k_rs, const double *v,
+                              Py_ssize_t v_rs, int dv, Py_ssize_t k_begin, Py_ssize_t k_end,
+                              double scale, const double *add, Py_ssize_t add_rs,
+                              Py_ssize_t add_ks, const unsigned char *pad, Py_ssize_t limit,
+                              Py_ssize_t limit_step, Py_ssize_t window, double *m, double *l,
+                              double *acc, double *work)
+    void mha_fused_attend_direct_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                                     const float *k, Py_ssize_t k_rs, const float *v,
+                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
+                                     Py_ssize_t k_end, float scale, const float *add,
+                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
+                                     float *l, float *acc, float *work)
+    void mha_fused_attend_direct_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
+                                     const double *k, Py_ssize_t k_rs, const double *v,
+                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
+                                     Py_ssize_t k_end, double scale, const double *add,
+                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, Py_ssize_t window, double *m,
+                                     double *l, double *acc, double *work)
+
+# _attention_kernel's rules for this shape (keep in step with it: the tests compare the two):
+# keys per tile and tasks below which it splits the keys; work from which it uses threads.
+cdef Py_ssize_t ATTN_BLOCK_K = 256
+cdef Py_ssize_t ATTN_MIN_PARALLEL_TASKS = 8
+cdef double ATTN_MIN_FLOPS_PER_THREAD = 1e6
+# Above this much work (all stages) the general path's threads pay for its overhead.
+cdef double MAX_SERIAL_FLOPS = 2e6
+
+
+cdef struct Step:
+    Py_ssize_t batch, length, embed, n_in, heads, kv_heads, d, start, max_len, window
+    bint heads_as_rows
+    Py_ssize_t half           # RoPE pairs per head (0: no RoPE)
+    bint interleaved
+
+
+cdef int _run(const Step *s, const floating *x, const floating *w_in, const floating *b_in,
+              const floating *w_out, const floating *b_out, floating *cache_k,
+              floating *cache_v, const double *inv_freq, floating scale,
+              floating *out) noexcept nogil:
+    """The step on raw pointers; 0, or -1 when out of memory (nothing written then)."""
+    cdef Py_ssize_t rows = s.batch * s.length, d = s.d, n_q = s.heads * d
+    cdef Py_ssize_t k_len = s.start + s.length, group = s.heads // s.kv_heads
+    cdef Py_ssize_t task_rows = group if s.heads_as_rows else s.length
+    cdef Py_ssize_t work_size
+    if floating is float:
+        work_size = mha_fused_scratch_f32(<int> d)
+    else:
+        work_size = mha_fused_scratch_f64(<int> d)
+    cdef Py_ssize_t qkv_size = rows * s.n_in, ctx_size = rows * n_q
+    cdef Py_ssize_t acc_size = task_rows * (d + 2), rope_size = 2 * s.length * s.half
+    cdef floating *buf = <floating *> malloc(
+        (qkv_size + ctx_size + acc_size + work_size + rope_size) * sizeof(floating))
+    cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
+    if buf == NULL or positions == NULL:
+        free(buf)
+        free(positions)
+        return -1
+    cdef floating *qkv = buf
+    cdef floating *ctx = qkv + qkv_size
+    cdef floating *acc = ctx + ctx_size
+    cdef floating *row_max = acc + task_rows * d
+    cdef floating *row_sum = row_max + task_rows
+    cdef floating *work = row_sum + task_rows
+    cdef floating *cos = work + work_size
+    cdef floating *sin = cos + s.length * s.half
+    cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, limit, step, q_rs, o_rs
+    cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
+    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh
+    cdef const floating *q0
+    cdef floating *o0
+
+    # QKV projection, then RoPE on the query and key heads at positions start ..
+    if floating is float:
+        mha_small_gemm_f32(x, s.embed, w_in, s.embed, b_in, qkv, s.n_in, rows, s.n_in, s.embed)
+    else:
+        mha_small_gemm_f64(x, s.embed, w_in, s.embed, b_in, qkv, s.n_in, rows, s.n_in, s.embed)
+    if s.half > 0:
+        for i in range(s.length):
+            positions[i] = s.start + i
+        if floating is float:
+            mha_rope_table_f32(positions, s.length, inv_freq, s.half, cos, sin)
+        else:
+            mha_rope_table_f64(positions, s.length, inv_freq, s.half, cos, sin)
+        for b in range(s.batch):
+            if floating is float:
+                mha_rope_rotate_f32(qkv + b * seq, s.length, s.n_in, s.heads + s.kv_heads, d,
+                                    cos, sin, s.half, s.interleaved)
+            else:
+                mha_rope_rotate_f64(qkv + b * seq, s.length, s.n_in, s.heads + s.kv_heads, d,
+                                    cos, sin, s.half, s.interleaved)
+    # append the new keys and values
+    for b in range(s.batch):
+        for h in range(s.kv_heads):
+            for i in range(s.length):
+                memcpy(cache_k + b * kb + h * kh + (s.start + i) * d,
+                       qkv + b * seq + i * s.n_in + (s.heads + h) * d, d * sizeof(floating))
+                memcpy(cache_v + b * kb + h * kh + (s.start + i) * d,
+                       qkv + b * seq + i * s.n_in + (s.heads + s.kv_heads + h) * d,
+                       d * sizeof(floating))
+    # attention: _attention_kernel's tasks (causal offset = start, every row sees k_len keys)
+    n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
+    limit = s.start + 1
+    step = 0 if s.heads_as_rows else 1
+    k_begin = 0
+    if s.window > 0:
+        k_begin = min(k_len, max(<Py_ssize_t> 0, s.start + 1 - s.window))
+    q_rs = d if s.heads_as_rows else s.n_in
+    o_rs = d if s.heads_as_rows else n_q
+    if task_rows == 1:
+        q_rs, o_rs = d, d
+    for t in range(n_tasks):
+        if s.heads_as_rows:
+            b, g = t // s.kv_heads, t % s.kv_heads
+            h0 = g * group
+        else:
+            b, h0 = t // s.heads, t % s.heads
+            g = h0 // group
+        q0 = qkv + b * seq + h0 * d
+        o0 = ctx + b * s.length * n_q + h0 * d
+        memset(acc, 0, task_rows * d * sizeof(floating))
+        for r in range(task_rows):
+            row_max[r] = -INFINITY
+            row_sum[r] = 0
+        if task_rows <= MHA_FUSED_DIRECT_MAX_ROWS and (task_rows == 1
+                                                       or d >= MHA_FUSED_DIRECT_MIN_HEAD_DIM):
+            if floating is float:
+                mha_fused_attend_direct_f32(q0, q_rs, <int> task_rows, <int> d,
+                                            cache_k + b * kb + g * kh, d,
+                                            cache_v + b * kb + g * kh, d, <int> d, k_begin,
+                                            k_len, scale, NULL, 0, 0, NULL, limit, step,
+                                            s.window, row_max, row_sum, acc, work)
+            else:
+                mha_fused_attend_direct_f64(q0, q_rs, <int> task_rows, <int> d,
+                                            cache_k + b * kb + g * kh, d,
+                                            cache_v + b * kb + g * kh, d, <int> d, k_begin,
+                                            k_len, scale, NULL, 0, 0, NULL, limit, step,
+                                            s.window, row_max, row_sum, acc, work)
+        else:
+            if floating is float:
+                mha_fused_attend_f32(q0, q_rs, <int> task_rows, <int> d,
+                                     cache_k + b * kb + g * kh, d, cache_v + b * kb + g * kh,
+                                     d, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
+                                     limit, step, s.window, row_max, row_sum, acc, work)
+            else:
+                mha_fused_attend_f64(q0, q_rs, <int> task_rows, <int> d,
+                                     cache_k + b * kb + g * kh, d, cache_v + b * kb + g * kh,
+                                     d, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
+                                     limit, step, s.window, row_max, row_sum, acc, work)
+        for r in range(task_rows):
+            if floating is float:
+                mha_finish_row_f32(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
+            else:
+                mha_finish_row_f64(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
+    # output projection
+    if floating is float:
+        mha_small_gemm_f32(ctx, n_q, w_out, n_q, b_out, out, s.embed, rows, s.embed, n_q)
+    else:
+        mha_small_gemm_f64(ctx, n_q, w_out, n_q, b_out, out, s.embed, rows, s.embed, n_q)
+    free(buf)
+    free(positions)
+    return 0
+
+
+cdef inline bint _c_contiguous(object a, int typenum) noexcept:
+    return (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray> a) == typenum
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> a))
+
+
+cdef inline void *_data(object a) noexcept:
+    return NULL if a is None else cnp.PyArray_DATA(<cnp.ndarray> a)
+
+
+def decode_step(cnp.ndarray x, Py_ssize_t start, object cache_k, object cache_v,
+                object w_in, object b_in, object w_out, object b_out,
+                Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window,
+                object inv_freq, bint interleaved, int n_threads):
+    """The step's output (B, L, E), having appended the L new keys/values of each sequence to
+    the cache at position start; or None, changing nothing, when this shape is not this
+    kernel's (the caller then takes the general path).
+
+    The caller has checked: x (B, L, E) of the module dtype, L >= 1; cache_k, cache_v (B,
+    kv_heads, max_len, D) of that dtype with start + L <= max_len and every sequence at
+    length start; w_in (heads * D + 2 * kv_heads * D, E) (in_proj_weight), w_out (E, heads *
+    D); biases None or 1-D; window 0 (none) or >= 1; inv_freq None (no RoPE) or float64
+    (pairs,). Layouts (C-contiguity) and dtypes are checked here."""
+    if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
+        return None                          # tuning knobs moved a rule of the general path
+    cdef int typenum = cnp.PyArray_TYPE(x)
+    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+        return None
+    if not (_c_contiguous(x, typenum) and _c_contiguous(cache_k, typenum)
+            and _c_contiguous(cache_v, typenum) and _c_contiguous(w_in, typenum)
+            and _c_contiguous(w_out, typenum)
+            and (b_in is None or _c_contiguous(b_in, typenum))
+            and (b_out is None or _c_contiguous(b_out, typenum))
+            and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))):
+        return None
+    cdef Step s
+    cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
+    s.batch, s.length, s.embed = x.shape[0], x.shape[1], x.shape[2]
+    s.heads, s.kv_heads, s.d = heads, kv_heads, cshape[3]
+    s.n_in, s.start, s.max_len, s.window = (heads + 2 * kv_heads) * s.d, start, cshape[2], window
+    s.half = 0 if inv_freq is None else cnp.PyArray_DIMS(<cnp.ndarray> inv_freq)[0]
+    s.interleaved = interleaved
+    cdef Py_ssize_t rows = s.batch * s.length, k_len = start + s.length
+    cdef Py_ssize_t group = heads // kv_heads
+    s.heads_as_rows = s.length == 1 and group > 1
+    if rows > MHA_SMALL_GEMM_MAX_ROWS or s.d > MHA_FUSED_MAX_HEAD_DIM or s.d < 1:
+        return None
+    # where _attention_kernel would split the keys of few tasks
+    cdef Py_ssize_t n_tasks = s.batch * (kv_heads if s.heads_as_rows else heads)
+    cdef Py_ssize_t bk = min(ATTN_BLOCK_K, k_len)
+    cdef Py_ssize_t task_keys = k_len
+    if window > 0 and s.heads_as_rows:
+        task_keys = min(task_keys, window)
+    if (n_tasks < ATTN_MIN_PARALLEL_TASKS
+            and min((ATTN_MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
+                    task_keys // (2 * bk)) > 1):
+        return None
+    cdef double attn_flops = 2.0 * s.batch * heads * s.length * k_len * 2 * s.d / 2
+    if window > 0 and window < k_len:
+        attn_flops *= <double> window / k_len
+    cdef double flops = attn_flops + 2.0 * rows * s.embed * (s.n_in + heads * s.d)
+    if n_threads > 1 and (flops > MAX_SERIAL_FLOPS
+                          or attn_flops >= 2 * ATTN_MIN_FLOPS_PER_THREAD):
+        return None
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(3, cnp.PyArray_DIMS(x), typenum, 0)
+    cdef int status
+    cdef void *px = cnp.PyArray_DATA(x)
+    cdef void *pwi = _data(w_in)
+    cdef void *pbi = _data(b_in)
+    cdef void *pwo = _data(w_out)
+    cdef void *pbo = _data(b_out)
+    cdef void *pk = _data(cache_k)
+    cdef void *pv = _data(cache_v)
+    cdef const double *pf = <const double *> _data(inv_freq)
+    cdef void *po = cnp.PyArray_DATA(out)
+    cdef double scale = 1.0 / sqrt(<double> s.d)
+    if typenum == cnp.NPY_FLOAT32:
+        with nogil:
+            status = _run(&s, <const float *> px, <const float *> pwi, <const float *> pbi,
+                          <const float *> pwo, <const float *> pbo, <float *> pk,
+                          <float *> pv, pf, <float> scale, <float *> po)
+    else:
+        with nogil:
+            status = _run(&s, <const double *> px, <const double *> pwi, <const double *> pbi,
+                          <const double *> pwo, <const double *> pbo, <double *> pk,
+                          <double *> pv, pf, scale, <double *> po)
+    if status != 0:
+        raise MemoryError("decode_step: could not allocate the step's scratch")
+    return out

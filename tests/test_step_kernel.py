@@ -1,0 +1,164 @@
+"""The compiled decode step (mha_cy/_step_kernel.pyx) is a pure speed-up: for every step it
+takes, output and cache equal the general path's bit for bit, and it steps aside (returning
+None) for the shapes it does not reproduce.
+
+The general path is reached through the public API with lengths= (every sequence appending
+all of its tokens: the same uniform plan, by CachePlan and _forward).
+"""
+import numpy as np
+import pytest
+
+import mha_cy
+from mha_cy import _attention_kernel, _linear_kernel, _step_kernel, reference
+from conftest import DTYPES, assert_close
+
+# (embed_dim, num_heads, num_kv_heads, head_dim): MHA, GQA, MQA; head dims below and above
+# the direct kernel's minimum (32), where a GQA group's rows take the packed or direct kernel
+GEOMETRIES = [(64, 4, 4, 16), (64, 4, 2, 16), (64, 4, 1, 16), (128, 4, 2, 32),
+              (96, 3, 3, 32), (64, 2, 1, 64)]
+ROPES = {"none": None, "half_split": mha_cy.RoPE(), "gptj_partial": mha_cy.RoPE(dim=8, interleaved=True)}
+
+
+def _module(rng, geometry, dtype, rope, window, bias=True):
+    embed, heads, kv_heads, d = geometry
+    return mha_cy.MultiHeadAttention(embed, heads, num_kv_heads=kv_heads, head_dim=d,
+                                     bias=bias, dtype=dtype, seed=int(rng.integers(1 << 30)),
+                                     rope=rope, window=window)
+
+
+def _run_both(mha, batch, prompt, steps, step_len, rng, dtype):
+    """Prefill `prompt` tokens, then `steps` calls of step_len tokens, once by the fast path
+    (mha(x, cache=...)) and once by the general path (lengths=); return both runs' outputs
+    and caches."""
+    fast, general = mha.new_cache(batch, prompt + steps * step_len), None
+    general = mha.new_cache(batch, prompt + steps * step_len)
+    full = lambda n: np.full(batch, n)
+    xs = [rng.standard_normal((batch, prompt, mha.embed_dim)).astype(dtype)]
+    xs += [rng.standard_normal((batch, step_len, mha.embed_dim)).astype(dtype)
+           for _ in range(steps)]
+    outs_fast, outs_general = [], []
+    for x in xs:
+        outs_fast.append(mha(x, cache=fast))
+        outs_general.append(mha(x, cache=general, lengths=full(x.shape[1])))
+    return outs_fast, outs_general, fast, general
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+@pytest.mark.parametrize("rope", list(ROPES), ids=list(ROPES))
+@pytest.mark.parametrize("window", [None, 5])
+def test_steps_equal_the_general_path_bitwise(rng, dtype, geometry, rope, window):
+    mha = _module(rng, geometry, dtype, ROPES[rope], window)
+    for batch, step_len in ((1, 1), (3, 1), (2, 3)):
+        outs_fast, outs_general, fast, general = _run_both(mha, batch, 7, 12, step_len, rng,
+                                                           dtype)
+        for a, b in zip(outs_fast, outs_general):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(fast.lengths, general.lengths)
+        stop = fast.length
+        np.testing.assert_array_equal(fast.key[:, :, :stop], general.key[:, :, :stop])
+        np.testing.assert_array_equal(fast.value[:, :, :stop], general.value[:, :, :stop])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_threads", [1, 2, 4])
+@pytest.mark.parametrize("cached", [0, 255, 256, 600, 1100])
+def test_long_caches_and_threads_bitwise(rng, dtype, n_threads, cached):
+    """Across the key-tile size (256) and where the general kernel splits the keys (split-K:
+    the step kernel declines there), for any thread count."""
+    mha = _module(rng, (64, 4, 2, 16), dtype, mha_cy.RoPE(), None, bias=False)
+    x_prompt = rng.standard_normal((1, cached + 1, 64)).astype(dtype)
+    x_step = rng.standard_normal((1, 1, 64)).astype(dtype)
+    results = []
+    for general in (False, True):
+        cache = mha.new_cache(1, cached + 2)
+        mha(x_prompt, cache=cache)
+        with mha_cy.threads(n_threads):
+            kw = {"lengths": np.ones(1, int)} if general else {}
+            results.append((mha(x_step, cache=cache, **kw), cache.key.copy()))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_steps_match_the_reference(rng, dtype):
+    """A prefill and steps through the compiled step equal one causal pass of the reference."""
+    mha = _module(rng, (64, 4, 2, 16), dtype, None, None)
+    ref = reference.MultiHeadAttention.from_weights(
+        mha.q_weight, mha.k_weight, mha.v_weight, mha.out_weight, num_heads=4,
+        num_kv_heads=2, q_bias=mha.q_bias, k_bias=mha.k_bias, v_bias=mha.v_bias,
+        out_bias=mha.out_bias, dtype=dtype)
+    x = rng.standard_normal((2, 20, 64)).astype(dtype)
+    cache = mha.new_cache(2, 20)
+    outs = [mha(x[:, :4], cache=cache)] + [mha(x[:, i:i + 1], cache=cache) for i in range(4, 20)]
+    assert_close(np.concatenate(outs, axis=1), ref(x, is_causal=True), dtype)
+
+
+def test_the_compiled_step_runs_for_small_steps_and_declines_otherwise(rng):
+    """It must actually be taken for a small model's step (else the tests above compare the
+    general path with itself), and decline a long cache (split-K) and too many rows."""
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    cache = mha.new_cache(2, 2048)
+    mha(rng.standard_normal((2, 16, 64)).astype(np.float32), cache=cache)
+
+    def step(x, start):
+        return _step_kernel.decode_step(x, start, cache.key, cache.value, mha.in_proj_weight,
+                                        mha.in_proj_bias, mha.out_weight, mha.out_bias, 4, 2,
+                                        0, None, False, 1)
+    assert step(np.zeros((2, 1, 64), np.float32), 16) is not None
+    assert step(np.zeros((2, 5, 64), np.float32), 16) is None         # 10 rows > 8
+    one = mha_cy.MultiHeadAttention(64, 4, num_kv_heads=1, head_dim=16, seed=0)
+    long_cache = one.new_cache(1, 4096)
+    assert _step_kernel.decode_step(np.zeros((1, 1, 64), np.float32), 2000, long_cache.key,
+                                    long_cache.value, one.in_proj_weight, one.in_proj_bias,
+                                    one.out_weight, one.out_bias, 4, 1, 0, None, False,
+                                    1) is None             # 1 task over 2001 keys: split-K
+
+
+def test_tuning_knobs_send_steps_to_the_general_path():
+    previous = _attention_kernel._set_tile_kernel("blas")
+    try:
+        assert not _attention_kernel.default_rules
+    finally:
+        _attention_kernel._set_tile_kernel(previous)
+    assert _attention_kernel.default_rules
+    previous = _linear_kernel._set_small_gemm_rule(0, 0)
+    try:
+        assert not _linear_kernel.default_rules
+    finally:
+        _linear_kernel._set_small_gemm_rule(*previous)
+    assert _linear_kernel.default_rules
+
+
+def test_a_failed_step_changes_nothing(rng):
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    cache = mha.new_cache(1, 4)
+    mha(rng.standard_normal((1, 4, 64)).astype(np.float32), cache=cache)
+    before = cache.copy()
+    with pytest.raises(ValueError, match="cache overflow"):
+        mha(rng.standard_normal((1, 1, 64)).astype(np.float32), cache=cache)
+    np.testing.assert_array_equal(cache.key, before.key)
+    np.testing.assert_array_equal(cache.lengths, before.lengths)
+
+
+def test_the_module_takes_the_compiled_step(rng, monkeypatch):
+    """mha(x, cache=...) reaches the compiled step for decode steps of every geometry above
+    (so that the bitwise comparisons compare two different paths)."""
+    from mha_cy import attention
+    taken = []
+
+    class Counting:
+        @staticmethod
+        def decode_step(*args):
+            out = _step_kernel.decode_step(*args)
+            taken.append(out is not None)
+            return out
+    monkeypatch.setattr(attention, "_step_kernel", Counting)
+    for geometry in GEOMETRIES:
+        for rope in ROPES.values():
+            mha = _module(rng, geometry, np.float32, rope, 5)
+            cache = mha.new_cache(2, 10)
+            mha(rng.standard_normal((2, 6, geometry[0])).astype(np.float32), cache=cache)
+            taken.clear()
+            mha(rng.standard_normal((2, 1, geometry[0])).astype(np.float32), cache=cache)
+            assert taken == [True], (geometry, rope)
