@@ -7,6 +7,7 @@ Run ``pytest benchmarks/`` (the root configuration's testpaths keep it out of th
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -41,8 +42,32 @@ def _prepared(w, impl, threads):
     _evict_other_workloads(w.name)
     key = (w.name, impl.name, threads if impl.threads_at_prepare else None)
     if key not in _PREPARED:
-        _PREPARED[key] = impl.prepare(w, make_data(w.name), threads)
+        data = make_data(w.name)
+        _PREPARED[key] = (impl.prepare(w, data, threads) if w.layers == 1
+                          else _rotating(w, impl, data, threads))
     return _PREPARED[key]
+
+
+def _rotating(w, impl, data, threads):
+    """w.layers copies of the prepared call, each over its own K/V (sdpa: copies of the same
+    values, so every copy gives the baseline's output) or its own prefilled cache (decode);
+    each timed call takes the next copy."""
+    copies = [impl.prepare(w, {**data, "k": data["k"].copy(), "v": data["v"].copy()}
+                           if w.kind == "sdpa" else data, threads)
+              for _ in range(w.layers)]
+    first = copies[0]
+    order = itertools.cycle(range(w.layers))
+    notes = f"{first.notes}; {w.layers} copies in turn"
+    if first.setup is None:
+        return implementations.Prepared(lambda: copies[next(order)].run(),
+                                        to_numpy=first.to_numpy, notes=notes)
+
+    def setup():
+        i = next(order)
+        args, kwargs = copies[i].setup()
+        return (i, *args), kwargs
+    return implementations.Prepared(lambda i, *args, **kwargs: copies[i].run(*args, **kwargs),
+                                    setup=setup, to_numpy=first.to_numpy, notes=notes)
 
 
 def _baseline(w, threads):

@@ -81,6 +81,11 @@ class Workload:
     padding: bool = False  # key padding: last 25% of keys padded in the first half of the batch
     need_weights: bool = False  # "mha": also return the per-head weights (B, Hq, Lq, Lk)
     bound: str = "compute"
+    # > 1: the harness prepares this many copies of the workload (each with its own K/V, or
+    # its own cache) and the timed calls rotate over them, as a model's layers do: a working
+    # set larger than L3, so that a decode step reads DRAM rather than what the last call
+    # left in cache (bytes and flops stay per call)
+    layers: int = 1
     description: str = ""
 
     @property
@@ -151,6 +156,18 @@ WORKLOADS: dict[str, Workload] = {
                  bound="memory",
                  description="one decode step with projections, d_model 4096, cache of 2047 "
                              "tokens + the new one, batch 4, 32 query heads, 8 KV heads"),
+        Workload("decode_dram", "sdpa", B=4, Lq=1, Lk=2048, E=4096, Hq=32, Hkv=8, D=128,
+                 bound="memory", layers=8,
+                 description="decode_gqa over 8 caches in turn (8 x 64 MiB: far beyond L3): "
+                             "the step's DRAM read rate"),
+        Workload("decode_mqa_32k", "sdpa", B=1, Lq=1, Lk=32768, E=1024, Hq=8, Hkv=1, D=128,
+                 bound="memory", layers=8,
+                 description="one sequence, 8 query heads over one K/V head of 32k tokens "
+                             "(32 MiB), 8 such caches in turn: split-K must keep every core "
+                             "streaming"),
+        Workload("decode_small", "decode", B=1, Lq=1, Lk=17, E=64, Hq=4, Hkv=4, D=16,
+                 description="one decode step of a small layer (d_model 64, 4 heads) over 16 "
+                             "cached tokens: the per-call cost of a step"),
         Workload("tiny", "mha", B=1, Lq=16, Lk=16, E=64, Hq=4, Hkv=4, D=16,
                  description="batch 1, 16 tokens, d_model 64, 4 heads (per-call overhead)"),
         Workload("threads", "mha", **_ENCODER_BATCHED,
