@@ -109,13 +109,14 @@ cdef struct Step:
     bint interleaved
 
 
-cdef int _run(const Step *s, const floating *x, const floating *w_in, const floating *b_in,
-              const floating *w_out, const floating *b_out, floating *cache_k,
-              floating *cache_v, const double *inv_freq, floating scale,
+cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
+              const floating *b_in, const floating *w_out, const floating *b_out,
+              floating *cache_k, floating *cache_v, const double *inv_freq, floating scale,
               floating *out) noexcept nogil:
-    """The step on raw pointers; 0, or -1 when out of memory (nothing written then)."""
+    """The step on raw pointers; 0, or -1 when out of memory (nothing written then).
+    starts: each sequence's cached length (a ragged cache), or NULL: all at s.start."""
     cdef Py_ssize_t rows = s.batch * s.length, d = s.d, n_q = s.heads * d
-    cdef Py_ssize_t k_len = s.start + s.length, group = s.heads // s.kv_heads
+    cdef Py_ssize_t k_len, start, group = s.heads // s.kv_heads
     cdef Py_ssize_t task_rows = group if s.heads_as_rows else s.length
     cdef Py_ssize_t work_size
     if floating is float:
@@ -151,13 +152,15 @@ cdef int _run(const Step *s, const floating *x, const floating *w_in, const floa
     else:
         mha_small_gemm_f64(x, s.embed, w_in, s.embed, b_in, qkv, s.n_in, rows, s.n_in, s.embed)
     if s.half > 0:
-        for i in range(s.length):
-            positions[i] = s.start + i
-        if floating is float:
-            mha_rope_table_f32(positions, s.length, inv_freq, s.half, cos, sin)
-        else:
-            mha_rope_table_f64(positions, s.length, inv_freq, s.half, cos, sin)
         for b in range(s.batch):
+            if b == 0 or starts != NULL:      # one table per sequence when they differ
+                start = s.start if starts == NULL else starts[b]
+                for i in range(s.length):
+                    positions[i] = start + i
+                if floating is float:
+                    mha_rope_table_f32(positions, s.length, inv_freq, s.half, cos, sin)
+                else:
+                    mha_rope_table_f64(positions, s.length, inv_freq, s.half, cos, sin)
             if floating is float:
                 mha_rope_rotate_f32(qkv + b * seq, s.length, s.n_in, s.heads + s.kv_heads, d,
                                     cos, sin, s.half, s.interleaved)
@@ -166,20 +169,18 @@ cdef int _run(const Step *s, const floating *x, const floating *w_in, const floa
                                     cos, sin, s.half, s.interleaved)
     # append the new keys and values
     for b in range(s.batch):
+        start = s.start if starts == NULL else starts[b]
         for h in range(s.kv_heads):
             for i in range(s.length):
-                memcpy(cache_k + b * kb + h * kh + (s.start + i) * d,
+                memcpy(cache_k + b * kb + h * kh + (start + i) * d,
                        qkv + b * seq + i * s.n_in + (s.heads + h) * d, d * sizeof(floating))
-                memcpy(cache_v + b * kb + h * kh + (s.start + i) * d,
+                memcpy(cache_v + b * kb + h * kh + (start + i) * d,
                        qkv + b * seq + i * s.n_in + (s.heads + s.kv_heads + h) * d,
                        d * sizeof(floating))
-    # attention: _attention_kernel's tasks (causal offset = start, every row sees k_len keys)
+    # attention: _attention_kernel's tasks (causal offset = start, a sequence's last row
+    # sees all of its k_len = start + L keys)
     n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
-    limit = s.start + 1
     step = 0 if s.heads_as_rows else 1
-    k_begin = 0
-    if s.window > 0:
-        k_begin = min(k_len, max(<Py_ssize_t> 0, s.start + 1 - s.window))
     q_rs = d if s.heads_as_rows else s.n_in
     o_rs = d if s.heads_as_rows else n_q
     if task_rows == 1:
@@ -191,6 +192,10 @@ cdef int _run(const Step *s, const floating *x, const floating *w_in, const floa
         else:
             b, h0 = t // s.heads, t % s.heads
             g = h0 // group
+        start = s.start if starts == NULL else starts[b]
+        k_len, limit, k_begin = start + s.length, start + 1, 0
+        if s.window > 0:
+            k_begin = min(k_len, max(<Py_ssize_t> 0, start + 1 - s.window))
         q0 = qkv + b * seq + h0 * d
         o0 = ctx + b * s.length * n_q + h0 * d
         memset(acc, 0, task_rows * d * sizeof(floating))
@@ -246,13 +251,14 @@ cdef inline void *_data(object a) noexcept:
     return NULL if a is None else cnp.PyArray_DATA(<cnp.ndarray> a)
 
 
-def decode_step(cnp.ndarray x, Py_ssize_t start, object cache_k, object cache_v,
+def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
                 object w_in, object b_in, object w_out, object b_out,
                 Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window,
                 object inv_freq, bint interleaved, int n_threads):
     """The step's output (B, L, E), having appended the L new keys/values of each sequence to
     the cache at position start; or None, changing nothing, when this shape is not this
-    kernel's (the caller then takes the general path).
+    kernel's (the caller then takes the general path). start: an int (every sequence's
+    cached length) or an int64 (B,) array of them (a ragged cache).
 
     The caller has checked: x (B, L, E) of the module dtype, L >= 1; cache_k, cache_v (B,
     kv_heads, max_len, D) of that dtype with start + L <= max_len and every sequence at
@@ -272,13 +278,24 @@ def decode_step(cnp.ndarray x, Py_ssize_t start, object cache_k, object cache_v,
             and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))):
         return None
     cdef Step s
+    cdef const int64_t *starts = NULL
+    cdef Py_ssize_t max_start
+    if isinstance(start, int):
+        max_start = start
+    else:
+        if not (_c_contiguous(start, cnp.NPY_INT64)
+                and cnp.PyArray_SIZE(<cnp.ndarray> start) == x.shape[0]):
+            return None
+        starts = <const int64_t *> cnp.PyArray_DATA(<cnp.ndarray> start)
+        max_start = max(start)
     cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
     s.batch, s.length, s.embed = x.shape[0], x.shape[1], x.shape[2]
     s.heads, s.kv_heads, s.d = heads, kv_heads, cshape[3]
-    s.n_in, s.start, s.max_len, s.window = (heads + 2 * kv_heads) * s.d, start, cshape[2], window
+    s.n_in, s.start, s.max_len, s.window = ((heads + 2 * kv_heads) * s.d, max_start,
+                                            cshape[2], window)
     s.half = 0 if inv_freq is None else cnp.PyArray_DIMS(<cnp.ndarray> inv_freq)[0]
     s.interleaved = interleaved
-    cdef Py_ssize_t rows = s.batch * s.length, k_len = start + s.length
+    cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
     cdef Py_ssize_t group = heads // kv_heads
     s.heads_as_rows = s.length == 1 and group > 1
     if rows > MHA_SMALL_GEMM_MAX_ROWS or s.d > MHA_FUSED_MAX_HEAD_DIM or s.d < 1:
@@ -314,12 +331,12 @@ def decode_step(cnp.ndarray x, Py_ssize_t start, object cache_k, object cache_v,
     cdef double scale = 1.0 / sqrt(<double> s.d)
     if typenum == cnp.NPY_FLOAT32:
         with nogil:
-            status = _run(&s, <const float *> px, <const float *> pwi, <const float *> pbi,
+            status = _run(&s, starts, <const float *> px, <const float *> pwi, <const float *> pbi,
                           <const float *> pwo, <const float *> pbo, <float *> pk,
                           <float *> pv, pf, <float> scale, <float *> po)
     else:
         with nogil:
-            status = _run(&s, <const double *> px, <const double *> pwi, <const double *> pbi,
+            status = _run(&s, starts, <const double *> px, <const double *> pwi, <const double *> pbi,
                           <const double *> pwo, <const double *> pbo, <double *> pk,
                           <double *> pv, pf, scale, <double *> po)
     if status != 0:

@@ -173,10 +173,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                 and query.shape[0] and query.shape[1] and self.in_proj_weight is not None):
             return self._self_attention(query, is_causal)
         # The common decode step, mha(x, cache=cache): the same, for a cache of this module's
-        # geometry whose sequences all have the same length (the general path costs a small
-        # model's step several times its kernels).
-        if (cache is not None and type(cache) is KVCache and cache._equal_length is not None
-                and key is None and value is None and key_padding_mask is None
+        # geometry (the general path costs a small model's step several times its kernels).
+        if (cache is not None and type(cache) is KVCache and key is None and value is None and key_padding_mask is None
                 and attn_mask is None and lengths is None and need_weights is False
                 and positions is None and head_mask is None
                 and (is_causal is True or is_causal is False)
@@ -214,27 +212,23 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             return _linear(context, self.out_weight, self.out_bias, n_threads)
 
     def _cached_step(self, x, cache):
-        """Append a checked, non-empty (B, L, E) array to a cache of equal lengths and attend
-        causally over it: _forward with a uniform CachePlan, without its general handling.
-        The room check comes first, so a failed call changes nothing."""
+        """Append a checked, non-empty (B, L, E) array to a cache and attend causally over
+        it: _forward with a CachePlan appending L tokens to every sequence, without the
+        general handling. The room check comes first, so a failed call changes nothing."""
         batch, length, _ = x.shape
         start = cache._equal_length
+        if start is None:                  # a ragged cache: each sequence at its own length
+            return self._cached_step_ragged(x, cache)
         stop = start + length
         if stop > cache.key.shape[2]:
             cache._check_room_uniform(length)     # raises, naming the sizes
+        out = self._compiled_step(x, cache, start)
+        if out is not None:
+            cache._lengths.fill(stop)
+            cache._equal_length = stop
+            return out
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
-        if self._kv_index is None:         # small steps: one compiled call (it calls no BLAS)
-            rope = self.rope
-            out = _step_kernel.decode_step(
-                x, start, cache.key, cache.value, self.in_proj_weight, self.in_proj_bias,
-                self.out_weight, self.out_bias, heads, kv_heads, self.window or 0,
-                None if rope is None else rope.inv_freq(d),
-                False if rope is None else rope.interleaved, n_threads)
-            if out is not None:
-                cache._lengths.fill(stop)
-                cache._equal_length = stop
-                return out
         with blas_single_threaded():
             qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
                                heads + 2 * kv_heads, d)
@@ -253,6 +247,26 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         cache._lengths.fill(stop)
         cache._equal_length = stop
         return out
+
+    def _cached_step_ragged(self, x, cache):
+        counts = np.full(cache.batch_size, x.shape[1], dtype=np.int64)
+        cache._check_room(counts)
+        out = self._compiled_step(x, cache, cache._lengths)
+        if out is None:
+            return super().__call__(x, cache=cache)
+        cache._set_lengths(cache._lengths + counts)
+        return out
+
+    def _compiled_step(self, x, cache, start):
+        """_step_kernel.decode_step for this module (None where it does not apply)."""
+        if self._kv_index is not None:
+            return None
+        rope = self.rope
+        return _step_kernel.decode_step(
+            x, start, cache.key, cache.value, self.in_proj_weight, self.in_proj_bias,
+            self.out_weight, self.out_bias, self.num_heads, self.num_kv_heads,
+            self.window or 0, None if rope is None else rope.inv_freq(self.head_dim),
+            False if rope is None else rope.interleaved, kernel_threads())
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
                  is_causal, need_weights, plan, positions, head_mask):

@@ -26,20 +26,21 @@ def _module(rng, geometry, dtype, rope, window, bias=True):
                                      rope=rope, window=window)
 
 
-def _run_both(mha, batch, prompt, steps, step_len, rng, dtype):
-    """Prefill `prompt` tokens, then `steps` calls of step_len tokens, once by the fast path
-    (mha(x, cache=...)) and once by the general path (lengths=); return both runs' outputs
-    and caches."""
-    fast, general = mha.new_cache(batch, prompt + steps * step_len), None
+def _run_both(mha, batch, prompt, steps, step_len, rng, dtype, ragged=False):
+    """Prefill `prompt` tokens (ragged: right-padded prompts of different lengths), then
+    `steps` calls of step_len tokens, once by the fast path (mha(x, cache=...)) and once by
+    the general path (lengths=); return both runs' outputs and caches."""
+    fast = mha.new_cache(batch, prompt + steps * step_len)
     general = mha.new_cache(batch, prompt + steps * step_len)
     full = lambda n: np.full(batch, n)
-    xs = [rng.standard_normal((batch, prompt, mha.embed_dim)).astype(dtype)]
-    xs += [rng.standard_normal((batch, step_len, mha.embed_dim)).astype(dtype)
-           for _ in range(steps)]
-    outs_fast, outs_general = [], []
-    for x in xs:
+    prompt_lengths = (np.arange(batch) * 3 + prompt) % (prompt + 1) if ragged else full(prompt)
+    x = rng.standard_normal((batch, prompt, mha.embed_dim)).astype(dtype)
+    outs_fast = [mha(x, cache=fast, lengths=prompt_lengths)]
+    outs_general = [mha(x, cache=general, lengths=prompt_lengths)]
+    for _ in range(steps):
+        x = rng.standard_normal((batch, step_len, mha.embed_dim)).astype(dtype)
         outs_fast.append(mha(x, cache=fast))
-        outs_general.append(mha(x, cache=general, lengths=full(x.shape[1])))
+        outs_general.append(mha(x, cache=general, lengths=full(step_len)))
     return outs_fast, outs_general, fast, general
 
 
@@ -49,9 +50,10 @@ def _run_both(mha, batch, prompt, steps, step_len, rng, dtype):
 @pytest.mark.parametrize("window", [None, 5])
 def test_steps_equal_the_general_path_bitwise(rng, dtype, geometry, rope, window):
     mha = _module(rng, geometry, dtype, ROPES[rope], window)
-    for batch, step_len in ((1, 1), (3, 1), (2, 3)):
+    for batch, step_len, ragged in ((1, 1, False), (3, 1, False), (2, 3, False),
+                                    (3, 1, True), (2, 3, True)):
         outs_fast, outs_general, fast, general = _run_both(mha, batch, 7, 12, step_len, rng,
-                                                           dtype)
+                                                           dtype, ragged)
         for a, b in zip(outs_fast, outs_general):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(fast.lengths, general.lengths)
@@ -158,7 +160,11 @@ def test_the_module_takes_the_compiled_step(rng, monkeypatch):
         for rope in ROPES.values():
             mha = _module(rng, geometry, np.float32, rope, 5)
             cache = mha.new_cache(2, 10)
-            mha(rng.standard_normal((2, 6, geometry[0])).astype(np.float32), cache=cache)
-            taken.clear()
-            mha(rng.standard_normal((2, 1, geometry[0])).astype(np.float32), cache=cache)
-            assert taken == [True], (geometry, rope)
+            mha(rng.standard_normal((2, 6, geometry[0])).astype(np.float32), cache=cache,
+                lengths=[6, 4])
+            for even in (False, True):          # a ragged cache, then an even one
+                if even:
+                    cache.truncate(4)
+                taken.clear()
+                mha(rng.standard_normal((2, 1, geometry[0])).astype(np.float32), cache=cache)
+                assert taken == [True], (geometry, rope, even)
