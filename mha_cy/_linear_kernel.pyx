@@ -247,17 +247,24 @@ def _set_tiling(min_tile_flops, max_tiles):
     return previous
 
 
-# Whether the small_gemm rule has its default value (mha_cy/_step_kernel.pyx relies on it).
+# Whether the rules that pick small_gemm or the panels have their default values
+# (mha_cy/_step_kernel.pyx reproduces them, and steps aside when a test or tuning moves one).
 default_rules = True
+
+
+def _note_rules():
+    global default_rules
+    default_rules = ((SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES, PANEL_MAX_ROWS)
+                     == (MHA_SMALL_GEMM_MAX_ROWS, MHA_SMALL_GEMM_MIN_WEIGHT_BYTES,
+                         PY_SSIZE_T_MAX))
 
 
 def _set_small_gemm_rule(max_rows, min_weight_bytes):
     """Use small_gemm for <= max_rows rows and weights >= min_weight_bytes; return the old pair."""
-    global SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES, default_rules
+    global SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES
     previous = (SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES)
     SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MIN_WEIGHT_BYTES = max_rows, min_weight_bytes
-    default_rules = (max_rows, min_weight_bytes) == (MHA_SMALL_GEMM_MAX_ROWS,
-                                                     MHA_SMALL_GEMM_MIN_WEIGHT_BYTES)
+    _note_rules()
     return previous
 
 
@@ -266,6 +273,7 @@ def _set_panel_max_rows(max_rows):
     global PANEL_MAX_ROWS
     previous = PANEL_MAX_ROWS
     PANEL_MAX_ROWS = max_rows
+    _note_rules()
     return previous
 
 

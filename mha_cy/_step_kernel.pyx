@@ -1,23 +1,25 @@
-"""A decode step of a small module in one compiled call: projections, RoPE, the cache write,
+"""A small call in one compiled call: projections, RoPE, the cache write (decode steps),
 attention and the output projection, with no Python in between.
 
 For a small model the general path (mha_cy/attention.py: one kernel call per stage, each with
 its argument parsing, memoryview acquisitions and temporaries) cost about 60 us of a 64 us
-step (E = 64, 4 heads, 16 cached tokens; the kernels themselves take a few). Here the stages
-are the same C functions, called on raw pointers of arrays that the caller has checked.
+decode step (E = 64, 4 heads, 16 cached tokens; the kernels themselves take a few), and most
+of a tiny layer's self-attention. Here the stages are the same C functions, called on raw
+pointers of arrays that the caller has checked.
 
 It computes exactly what the general path computes, bit for bit, which is what makes it a
 pure speed-up (tests/test_step_kernel.py checks it):
-- the projections of B * L <= MHA_SMALL_GEMM_MAX_ROWS rows are src/small_gemm.c over all
-  columns (the general path's column tiles call the same function; each output is one chain
-  of FMAs whatever the tile);
-- RoPE is src/rope.c on one block of rows, as _rope_kernel with its 16-row tasks;
-- attention reproduces _attention_kernel's tasks for this shape (a GQA group's heads as the
-  rows of one task when L = 1, else one task per query head) and calls the same fused kernel
-  with the same arguments; it declines (returns None) where that kernel would split the keys
-  (split-K), run BLAS tiles or use threads, and wherever tuning knobs moved a rule.
-It runs on the calling thread: it is only used for work that _attention_kernel would give one
-thread too (or with one thread asked), so there is nothing to gain from a parallel region.
+- the projections are src/small_gemm.c for up to MHA_SMALL_GEMM_MAX_ROWS rows, else
+  src/row_panel_gemm.c, over all columns (the general path's column tiles call the same
+  functions; each output is one chain of FMAs whatever the tile);
+- RoPE is src/rope.c, a table per sequence's positions, as _rope_kernel computes row by row;
+- attention reproduces _attention_kernel's tasks for the shape (a GQA group's heads as the
+  rows of one task for a one-token step, else one task per query head) and calls the same
+  fused kernel with the same arguments; it declines (returns None) where that kernel would
+  split the keys (split-K), take more than one block of query rows, run BLAS tiles or use
+  threads, and wherever tuning knobs moved a rule.
+It runs on the calling thread: it is only used for work that would not pay for threads (or
+with one thread asked).
 """
 cimport numpy as cnp
 from libc.math cimport INFINITY, sqrt
@@ -40,6 +42,20 @@ cdef extern from "small_gemm.h" nogil:
     void mha_small_gemm_f64(const double *x, Py_ssize_t ldx, const double *w, Py_ssize_t ldw,
                             const double *bias, double *out, Py_ssize_t ldo,
                             Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
+
+cdef extern from "row_panel_gemm.h" nogil:
+    Py_ssize_t mha_row_panels_size_f32(Py_ssize_t m, Py_ssize_t k)
+    Py_ssize_t mha_row_panels_size_f64(Py_ssize_t m, Py_ssize_t k)
+    void mha_pack_row_panels_f32(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,
+                                 float *packed)
+    void mha_pack_row_panels_f64(const double *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,
+                                 double *packed)
+    void mha_row_panel_gemm_f32(const float *packed, Py_ssize_t m, Py_ssize_t k, const float *w,
+                                Py_ssize_t ldw, const float *bias, float *out, Py_ssize_t ldo,
+                                Py_ssize_t j0, Py_ssize_t j1)
+    void mha_row_panel_gemm_f64(const double *packed, Py_ssize_t m, Py_ssize_t k,
+                                const double *w, Py_ssize_t ldw, const double *bias,
+                                double *out, Py_ssize_t ldo, Py_ssize_t j0, Py_ssize_t j1)
 
 cdef extern from "rope.h" nogil:
     void mha_rope_table_f32(const int64_t *positions, Py_ssize_t rows, const double *inv_freq,
@@ -95,18 +111,59 @@ cdef extern from "attention_microkernel.h" nogil:
 
 # _attention_kernel's rules for this shape (keep in step with it: the tests compare the two):
 # keys per tile and tasks below which it splits the keys; work from which it uses threads.
+cdef Py_ssize_t ATTN_BLOCK_Q = 256
 cdef Py_ssize_t ATTN_BLOCK_K = 256
 cdef Py_ssize_t ATTN_MIN_PARALLEL_TASKS = 8
 cdef double ATTN_MIN_FLOPS_PER_THREAD = 1e6
+# The weight rows of a panel block (bytes): _linear_kernel's PANEL_TILE_WEIGHT_BYTES.
+cdef Py_ssize_t PANEL_BLOCK_BYTES = 192 * 1024
 # Above this much work (all stages) the general path's threads pay for its overhead.
 cdef double MAX_SERIAL_FLOPS = 2e6
 
 
 cdef struct Step:
     Py_ssize_t batch, length, embed, n_in, heads, kv_heads, d, start, max_len, window
+    bint cached               # append to the cache and attend over it (else over the call's
+                              # own keys, start = 0)
+    bint causal
     bint heads_as_rows
     Py_ssize_t half           # RoPE pairs per head (0: no RoPE)
     bint interleaved
+
+
+cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
+                 const floating *bias, floating *out, Py_ssize_t n) noexcept nogil:
+    """out (m, n) = x (m, k) @ w (n, k)^T + bias, as _linear_kernel.linear computes it by
+    default; 0, or -1 when out of memory."""
+    cdef floating *packed
+    if m <= MHA_SMALL_GEMM_MAX_ROWS:
+        if floating is float:
+            mha_small_gemm_f32(x, k, w, k, bias, out, n, m, n, k)
+        else:
+            mha_small_gemm_f64(x, k, w, k, bias, out, n, m, n, k)
+        return 0
+    if floating is float:
+        packed = <floating *> malloc(mha_row_panels_size_f32(m, k) * sizeof(floating))
+    else:
+        packed = <floating *> malloc(mha_row_panels_size_f64(m, k) * sizeof(floating))
+    if packed == NULL:
+        return -1
+    if floating is float:
+        mha_pack_row_panels_f32(x, k, m, k, packed)
+    else:
+        mha_pack_row_panels_f64(x, k, m, k, packed)
+    # column blocks whose weight rows stay in L2 while every panel passes (as the general
+    # path's tiles: PANEL_TILE_WEIGHT_BYTES); the blocks do not change any output's sum
+    cdef Py_ssize_t cols = max(<Py_ssize_t> 16, PANEL_BLOCK_BYTES // (k * sizeof(floating)))
+    cdef Py_ssize_t j0 = 0
+    while j0 < n:
+        if floating is float:
+            mha_row_panel_gemm_f32(packed, m, k, w, k, bias, out, n, j0, min(n, j0 + cols))
+        else:
+            mha_row_panel_gemm_f64(packed, m, k, w, k, bias, out, n, j0, min(n, j0 + cols))
+        j0 += cols
+    free(packed)
+    return 0
 
 
 cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
@@ -117,6 +174,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     starts: each sequence's cached length (a ragged cache), or NULL: all at s.start."""
     cdef Py_ssize_t rows = s.batch * s.length, d = s.d, n_q = s.heads * d
     cdef Py_ssize_t k_len, start, group = s.heads // s.kv_heads
+    cdef int status
     cdef Py_ssize_t task_rows = group if s.heads_as_rows else s.length
     cdef Py_ssize_t work_size
     if floating is float:
@@ -142,15 +200,20 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *sin = cos + s.length * s.half
     cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, limit, step, q_rs, o_rs
     cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
-    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh
+    # where K/V head g of sequence b starts, and the stride of its keys
+    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d
+    cdef const floating *k0
+    cdef const floating *v0
+    if not s.cached:                                  # the call's own keys, in qkv
+        kh, kb, kl = d, seq, s.n_in
     cdef const floating *q0
     cdef floating *o0
 
     # QKV projection, then RoPE on the query and key heads at positions start ..
-    if floating is float:
-        mha_small_gemm_f32(x, s.embed, w_in, s.embed, b_in, qkv, s.n_in, rows, s.n_in, s.embed)
-    else:
-        mha_small_gemm_f64(x, s.embed, w_in, s.embed, b_in, qkv, s.n_in, rows, s.n_in, s.embed)
+    if _linear(x, rows, s.embed, w_in, b_in, qkv, s.n_in) != 0:
+        free(buf)
+        free(positions)
+        return -1
     if s.half > 0:
         for b in range(s.batch):
             if b == 0 or starts != NULL:      # one table per sequence when they differ
@@ -168,7 +231,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                 mha_rope_rotate_f64(qkv + b * seq, s.length, s.n_in, s.heads + s.kv_heads, d,
                                     cos, sin, s.half, s.interleaved)
     # append the new keys and values
-    for b in range(s.batch):
+    for b in range(s.batch if s.cached else 0):
         start = s.start if starts == NULL else starts[b]
         for h in range(s.kv_heads):
             for i in range(s.length):
@@ -180,7 +243,6 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     # attention: _attention_kernel's tasks (causal offset = start, a sequence's last row
     # sees all of its k_len = start + L keys)
     n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
-    step = 0 if s.heads_as_rows else 1
     q_rs = d if s.heads_as_rows else s.n_in
     o_rs = d if s.heads_as_rows else n_q
     if task_rows == 1:
@@ -194,8 +256,16 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             g = h0 // group
         start = s.start if starts == NULL else starts[b]
         k_len, limit, k_begin = start + s.length, start + 1, 0
-        if s.window > 0:
+        step = 0 if s.heads_as_rows else 1
+        if not s.causal:
+            limit, step = k_len, 0
+        elif s.window > 0:
             k_begin = min(k_len, max(<Py_ssize_t> 0, start + 1 - s.window))
+        if s.cached:
+            k0, v0 = cache_k + b * kb + g * kh, cache_v + b * kb + g * kh
+        else:
+            k0 = qkv + b * seq + (s.heads + g) * d
+            v0 = qkv + b * seq + (s.heads + s.kv_heads + g) * d
         q0 = qkv + b * seq + h0 * d
         o0 = ctx + b * s.length * n_q + h0 * d
         memset(acc, 0, task_rows * d * sizeof(floating))
@@ -206,26 +276,22 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                                                        or d >= MHA_FUSED_DIRECT_MIN_HEAD_DIM):
             if floating is float:
                 mha_fused_attend_direct_f32(q0, q_rs, <int> task_rows, <int> d,
-                                            cache_k + b * kb + g * kh, d,
-                                            cache_v + b * kb + g * kh, d, <int> d, k_begin,
+                                            k0, kl, v0, kl, <int> d, k_begin,
                                             k_len, scale, NULL, 0, 0, NULL, limit, step,
                                             s.window, row_max, row_sum, acc, work)
             else:
                 mha_fused_attend_direct_f64(q0, q_rs, <int> task_rows, <int> d,
-                                            cache_k + b * kb + g * kh, d,
-                                            cache_v + b * kb + g * kh, d, <int> d, k_begin,
+                                            k0, kl, v0, kl, <int> d, k_begin,
                                             k_len, scale, NULL, 0, 0, NULL, limit, step,
                                             s.window, row_max, row_sum, acc, work)
         else:
             if floating is float:
                 mha_fused_attend_f32(q0, q_rs, <int> task_rows, <int> d,
-                                     cache_k + b * kb + g * kh, d, cache_v + b * kb + g * kh,
-                                     d, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
+                                     k0, kl, v0, kl, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
                                      limit, step, s.window, row_max, row_sum, acc, work)
             else:
                 mha_fused_attend_f64(q0, q_rs, <int> task_rows, <int> d,
-                                     cache_k + b * kb + g * kh, d, cache_v + b * kb + g * kh,
-                                     d, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
+                                     k0, kl, v0, kl, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
                                      limit, step, s.window, row_max, row_sum, acc, work)
         for r in range(task_rows):
             if floating is float:
@@ -233,13 +299,10 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             else:
                 mha_finish_row_f64(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
     # output projection
-    if floating is float:
-        mha_small_gemm_f32(ctx, n_q, w_out, n_q, b_out, out, s.embed, rows, s.embed, n_q)
-    else:
-        mha_small_gemm_f64(ctx, n_q, w_out, n_q, b_out, out, s.embed, rows, s.embed, n_q)
+    status = _linear(ctx, rows, n_q, w_out, b_out, out, s.embed)
     free(buf)
     free(positions)
-    return 0
+    return status
 
 
 cdef inline bint _c_contiguous(object a, int typenum) noexcept:
@@ -261,23 +324,10 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     cached length) or an int64 (B,) array of them (a ragged cache).
 
     The caller has checked: x (B, L, E) of the module dtype, L >= 1; cache_k, cache_v (B,
-    kv_heads, max_len, D) of that dtype with start + L <= max_len and every sequence at
-    length start; w_in (heads * D + 2 * kv_heads * D, E) (in_proj_weight), w_out (E, heads *
-    D); biases None or 1-D; window 0 (none) or >= 1; inv_freq None (no RoPE) or float64
-    (pairs,). Layouts (C-contiguity) and dtypes are checked here."""
-    if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
-        return None                          # tuning knobs moved a rule of the general path
-    cdef int typenum = cnp.PyArray_TYPE(x)
-    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
-        return None
-    if not (_c_contiguous(x, typenum) and _c_contiguous(cache_k, typenum)
-            and _c_contiguous(cache_v, typenum) and _c_contiguous(w_in, typenum)
-            and _c_contiguous(w_out, typenum)
-            and (b_in is None or _c_contiguous(b_in, typenum))
-            and (b_out is None or _c_contiguous(b_out, typenum))
-            and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))):
-        return None
-    cdef Step s
+    kv_heads, max_len, D) of that dtype with start + L <= max_len; w_in (heads * D + 2 *
+    kv_heads * D, E) (in_proj_weight), w_out (E, heads * D); biases None or 1-D; window 0
+    (none) or >= 1; inv_freq None (no RoPE) or float64 (pairs,). Layouts (C-contiguity) and
+    dtypes are checked here."""
     cdef const int64_t *starts = NULL
     cdef Py_ssize_t max_start
     if isinstance(start, int):
@@ -288,17 +338,52 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
             return None
         starts = <const int64_t *> cnp.PyArray_DATA(<cnp.ndarray> start)
         max_start = max(start)
+    typenum = cnp.PyArray_TYPE(x)
+    if not (_c_contiguous(cache_k, typenum) and _c_contiguous(cache_v, typenum)):
+        return None
     cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
+    return _call(x, True, True, max_start, starts, cache_k, cache_v, cshape[3], cshape[2],
+                 w_in, b_in, w_out, b_out, heads, kv_heads, window, inv_freq, interleaved,
+                 n_threads)
+
+
+def self_attention(cnp.ndarray x, bint causal, object w_in, object b_in, object w_out,
+                   object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim,
+                   Py_ssize_t window, object inv_freq, bint interleaved, int n_threads):
+    """mha(x) (or mha(x, is_causal=True)) of a small call, or None where this kernel does not
+    apply. x (B, L, E) of the module dtype, L >= 1; weights as for decode_step; window only
+    with causal; RoPE at positions 0 .. L - 1."""
+    return _call(x, False, causal, 0, NULL, None, None, head_dim, 0, w_in, b_in, w_out, b_out,
+                 heads, kv_heads, window if causal else 0, inv_freq, interleaved, n_threads)
+
+
+cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
+                  const int64_t *starts, object cache_k, object cache_v, Py_ssize_t d,
+                  Py_ssize_t max_len, object w_in, object b_in, object w_out, object b_out,
+                  Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window, object inv_freq,
+                  bint interleaved, int n_threads):
+    if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
+        return None                          # tuning knobs moved a rule of the general path
+    cdef int typenum = cnp.PyArray_TYPE(x)
+    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+        return None
+    if not (_c_contiguous(x, typenum) and _c_contiguous(w_in, typenum)
+            and _c_contiguous(w_out, typenum)
+            and (b_in is None or _c_contiguous(b_in, typenum))
+            and (b_out is None or _c_contiguous(b_out, typenum))
+            and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))):
+        return None
+    cdef Step s
     s.batch, s.length, s.embed = x.shape[0], x.shape[1], x.shape[2]
-    s.heads, s.kv_heads, s.d = heads, kv_heads, cshape[3]
-    s.n_in, s.start, s.max_len, s.window = ((heads + 2 * kv_heads) * s.d, max_start,
-                                            cshape[2], window)
+    s.heads, s.kv_heads, s.d = heads, kv_heads, d
+    s.n_in, s.start, s.max_len, s.window = (heads + 2 * kv_heads) * d, max_start, max_len, window
+    s.cached, s.causal = cached, causal
     s.half = 0 if inv_freq is None else cnp.PyArray_DIMS(<cnp.ndarray> inv_freq)[0]
     s.interleaved = interleaved
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
     cdef Py_ssize_t group = heads // kv_heads
     s.heads_as_rows = s.length == 1 and group > 1
-    if rows > MHA_SMALL_GEMM_MAX_ROWS or s.d > MHA_FUSED_MAX_HEAD_DIM or s.d < 1:
+    if d > MHA_FUSED_MAX_HEAD_DIM or d < 1 or s.length > ATTN_BLOCK_Q or s.embed < 1:
         return None
     # where _attention_kernel would split the keys of few tasks
     cdef Py_ssize_t n_tasks = s.batch * (kv_heads if s.heads_as_rows else heads)
@@ -310,10 +395,12 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
             and min((ATTN_MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
                     task_keys // (2 * bk)) > 1):
         return None
-    cdef double attn_flops = 2.0 * s.batch * heads * s.length * k_len * 2 * s.d / 2
+    cdef double attn_flops = 2.0 * s.batch * heads * s.length * k_len * 2 * d
+    if causal:
+        attn_flops /= 2
     if window > 0 and window < k_len:
         attn_flops *= <double> window / k_len
-    cdef double flops = attn_flops + 2.0 * rows * s.embed * (s.n_in + heads * s.d)
+    cdef double flops = attn_flops + 2.0 * rows * s.embed * (s.n_in + heads * d)
     if n_threads > 1 and (flops > MAX_SERIAL_FLOPS
                           or attn_flops >= 2 * ATTN_MIN_FLOPS_PER_THREAD):
         return None
@@ -328,17 +415,17 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     cdef void *pv = _data(cache_v)
     cdef const double *pf = <const double *> _data(inv_freq)
     cdef void *po = cnp.PyArray_DATA(out)
-    cdef double scale = 1.0 / sqrt(<double> s.d)
+    cdef double scale = 1.0 / sqrt(<double> d)
     if typenum == cnp.NPY_FLOAT32:
         with nogil:
-            status = _run(&s, starts, <const float *> px, <const float *> pwi, <const float *> pbi,
-                          <const float *> pwo, <const float *> pbo, <float *> pk,
-                          <float *> pv, pf, <float> scale, <float *> po)
+            status = _run(&s, starts, <const float *> px, <const float *> pwi,
+                          <const float *> pbi, <const float *> pwo, <const float *> pbo,
+                          <float *> pk, <float *> pv, pf, <float> scale, <float *> po)
     else:
         with nogil:
-            status = _run(&s, starts, <const double *> px, <const double *> pwi, <const double *> pbi,
-                          <const double *> pwo, <const double *> pbo, <double *> pk,
-                          <double *> pv, pf, scale, <double *> po)
+            status = _run(&s, starts, <const double *> px, <const double *> pwi,
+                          <const double *> pbi, <const double *> pwo, <const double *> pbo,
+                          <double *> pk, <double *> pv, pf, scale, <double *> po)
     if status != 0:
-        raise MemoryError("decode_step: could not allocate the step's scratch")
+        raise MemoryError("mha_cy: could not allocate a small call's scratch")
     return out

@@ -197,6 +197,15 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         batch, length, _ = x.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
+        if self._kv_index is None:         # a small call: one compiled call
+            rope = self.rope
+            out = _step_kernel.self_attention(
+                x, is_causal, self.in_proj_weight, self.in_proj_bias, self.out_weight,
+                self.out_bias, heads, kv_heads, d, self.window or 0,
+                None if rope is None else rope.inv_freq(d),
+                False if rope is None else rope.interleaved, n_threads)
+            if out is not None:
+                return out
         with blas_single_threaded():
             qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
                                heads + 2 * kv_heads, d)

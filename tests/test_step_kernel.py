@@ -108,7 +108,7 @@ def test_the_compiled_step_runs_for_small_steps_and_declines_otherwise(rng):
                                         mha.in_proj_bias, mha.out_weight, mha.out_bias, 4, 2,
                                         0, None, False, 1)
     assert step(np.zeros((2, 1, 64), np.float32), 16) is not None
-    assert step(np.zeros((2, 5, 64), np.float32), 16) is None         # 10 rows > 8
+    assert step(np.zeros((2, 5, 64), np.float32), 16) is not None     # 10 rows: the panels
     one = mha_cy.MultiHeadAttention(64, 4, num_kv_heads=1, head_dim=16, seed=0)
     long_cache = one.new_cache(1, 4096)
     assert _step_kernel.decode_step(np.zeros((1, 1, 64), np.float32), 2000, long_cache.key,
@@ -168,3 +168,41 @@ def test_the_module_takes_the_compiled_step(rng, monkeypatch):
                 taken.clear()
                 mha(rng.standard_normal((2, 1, geometry[0])).astype(np.float32), cache=cache)
                 assert taken == [True], (geometry, rope, even)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+@pytest.mark.parametrize("rope", list(ROPES), ids=list(ROPES))
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 6)],
+                         ids=["encoder", "causal", "window"])
+def test_small_self_attention_equals_the_general_path_bitwise(rng, dtype, geometry, rope,
+                                                              causal, window):
+    """mha(x) of a small call (compiled) against the general path (reached with a head_mask
+    of ones, an exact no-op), for 1 to 40 tokens (the projections' small_gemm and panels)."""
+    mha = _module(rng, geometry, dtype, ROPES[rope], window)
+    ones = np.ones(geometry[1], dtype)
+    for batch, length in ((1, 1), (2, 5), (1, 16), (3, 40)):
+        x = rng.standard_normal((batch, length, geometry[0])).astype(dtype)
+        np.testing.assert_array_equal(mha(x, is_causal=causal),
+                                      mha(x, is_causal=causal, head_mask=ones))
+
+
+def test_mha_takes_the_compiled_call_for_a_tiny_layer(rng, monkeypatch):
+    from mha_cy import attention
+    taken = []
+
+    class Counting:
+        @staticmethod
+        def self_attention(*args):
+            out = _step_kernel.self_attention(*args)
+            taken.append(out is not None)
+            return out
+    monkeypatch.setattr(attention, "_step_kernel", Counting)
+    mha = mha_cy.MultiHeadAttention(64, 4, seed=0)
+    x = rng.standard_normal((1, 16, 64)).astype(np.float32)
+    with mha_cy.threads(2):
+        mha(x)
+        mha(x, is_causal=True)
+        assert taken == [True, True]
+        mha(rng.standard_normal((8, 512, 64)).astype(np.float32))   # too much work for 1 thread
+        assert taken == [True, True, False]
