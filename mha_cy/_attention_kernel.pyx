@@ -645,6 +645,8 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     return out
 
 
+FUSED_MAX_HEAD_DIM = MHA_FUSED_MAX_HEAD_DIM      # (for mha_cy.attention)
+
 # Whether every rule above has its default value: mha_cy/_step_kernel.pyx reproduces the
 # default rules for decode steps, and steps aside when a test or a tuning run moves one.
 default_rules = True

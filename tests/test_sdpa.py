@@ -236,3 +236,38 @@ def test_empty_shapes(rng):
     np.testing.assert_array_equal(out, 0)
     q, k, v = qkv(rng, np.float64, 0, 4, 2, 3, 4, 8)
     assert mha_cy.scaled_dot_product_attention(q, k, v).shape == (0, 4, 3, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 4, 1, 17, 4, 16), (2, 8, 5, 300, 2, 64),
+                                   (1, 2, 40, 40, 2, 300)],
+                         ids=["decode_mha", "gqa_lq_ne_lk", "head_dim_300_blas"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_common_call_equals_the_checked_path_bitwise(rng, dtype, shape, causal):
+    """sdpa(q, k, v) on plain contiguous arrays skips the general checks; an explicit scale
+    (1 / sqrt(D), the default) takes the checked path: both must give the same bits."""
+    B, Hq, Lq, Lk, Hkv, D = shape
+    q = rng.standard_normal((B, Hq, Lq, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Lk, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Lk, D)).astype(dtype)
+    fast = mha_cy.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    checked = mha_cy.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                  scale=1.0 / np.sqrt(D))
+    np.testing.assert_array_equal(fast, checked)
+    assert fast.dtype == dtype
+    ref = mha_cy.reference.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert_close(fast, ref, dtype)
+
+
+def test_the_common_call_still_checks_what_it_does_not_take(rng):
+    q = rng.standard_normal((1, 4, 3, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 5, 8)).astype(np.float32)          # 4 % 3 != 0
+    with pytest.raises(ValueError, match="multiple"):
+        mha_cy.scaled_dot_product_attention(q, k, k)
+    k = rng.standard_normal((1, 2, 5, 8))                              # float64: promoted
+    out = mha_cy.scaled_dot_product_attention(q, k, k)
+    assert out.dtype == np.float64
+    assert_close(out, mha_cy.reference.scaled_dot_product_attention(q, k, k), np.float64)
+    with pytest.raises(ValueError, match="length"):
+        mha_cy.scaled_dot_product_attention(q, k, k[:, :, :4])
+    assert (mha_cy.scaled_dot_product_attention(q, k[:, :, :0], k[:, :, :0]) == 0).all()
