@@ -5,20 +5,12 @@ i + (Lk - Lq) - window < j <= i + (Lk - Lq): the causal diagonal and the window 
 before it. The kernels skip the key tiles outside every row's window (a long decode reads only
 the window); the reference applies it as one more boolean mask.
 """
-import numbers
-
-import numpy as np
+from ._checks import positive_int
 
 
 def check_window(window):
     """window as an int >= 1, or None (unlimited); TypeError / ValueError otherwise."""
-    if window is None:
-        return None
-    if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"window must be an int >= 1 or None; got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (or None for no window); got {window}")
-    return int(window)
+    return None if window is None else positive_int(window, "window")
 
 
 def require_causal(window, causal):
