@@ -143,19 +143,30 @@ def test_a_failed_step_changes_nothing(rng):
     np.testing.assert_array_equal(cache.lengths, before.lengths)
 
 
-def test_the_module_takes_the_compiled_step(rng, monkeypatch):
-    """mha(x, cache=...) reaches the compiled step for decode steps of every geometry above
-    (so that the bitwise comparisons compare two different paths)."""
+@pytest.fixture
+def taken(monkeypatch):
+    """A list that records, for each call into _step_kernel from mha_cy.attention, whether
+    the compiled call ran (True) or declined (False)."""
     from mha_cy import attention
-    taken = []
+    record = []
+
+    def counting(function):
+        def call(*args):
+            out = function(*args)
+            record.append(out is not None)
+            return out
+        return staticmethod(call)
 
     class Counting:
-        @staticmethod
-        def decode_step(*args):
-            out = _step_kernel.decode_step(*args)
-            taken.append(out is not None)
-            return out
+        decode_step = counting(_step_kernel.decode_step)
+        self_attention = counting(_step_kernel.self_attention)
     monkeypatch.setattr(attention, "_step_kernel", Counting)
+    return record
+
+
+def test_the_module_takes_the_compiled_step(rng, taken):
+    """mha(x, cache=...) reaches the compiled step for decode steps of every geometry above
+    (so that the bitwise comparisons compare two different paths)."""
     for geometry in GEOMETRIES:
         for rope in ROPES.values():
             mha = _module(rng, geometry, np.float32, rope, 5)
@@ -187,17 +198,7 @@ def test_small_self_attention_equals_the_general_path_bitwise(rng, dtype, geomet
                                       mha(x, is_causal=causal, head_mask=ones))
 
 
-def test_mha_takes_the_compiled_call_for_a_tiny_layer(rng, monkeypatch):
-    from mha_cy import attention
-    taken = []
-
-    class Counting:
-        @staticmethod
-        def self_attention(*args):
-            out = _step_kernel.self_attention(*args)
-            taken.append(out is not None)
-            return out
-    monkeypatch.setattr(attention, "_step_kernel", Counting)
+def test_mha_takes_the_compiled_call_for_a_tiny_layer(rng, taken):
     mha = mha_cy.MultiHeadAttention(64, 4, seed=0)
     x = rng.standard_normal((1, 16, 64)).astype(np.float32)
     with mha_cy.threads(2):
