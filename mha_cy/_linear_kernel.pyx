@@ -21,32 +21,12 @@ from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
+from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_SMALL_GEMM_MIN_WEIGHT_BYTES,
+                          mha_small_gemm_f32, mha_small_gemm_f64, mha_row_panels_size_f32,
+                          mha_row_panels_size_f64, mha_pack_row_panels_f32,
+                          mha_pack_row_panels_f64, mha_row_panel_gemm_f32,
+                          mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
-
-cdef extern from "small_gemm.h" nogil:
-    enum: MHA_SMALL_GEMM_MAX_ROWS
-    enum: MHA_SMALL_GEMM_MIN_WEIGHT_BYTES
-    void mha_small_gemm_f32(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw,
-                            const float *bias, float *out, Py_ssize_t ldo,
-                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
-    void mha_small_gemm_f64(const double *x, Py_ssize_t ldx, const double *w, Py_ssize_t ldw,
-                            const double *bias, double *out, Py_ssize_t ldo,
-                            Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
-
-cdef extern from "row_panel_gemm.h" nogil:
-    Py_ssize_t mha_row_panels_size_f32(Py_ssize_t m, Py_ssize_t k)
-    Py_ssize_t mha_row_panels_size_f64(Py_ssize_t m, Py_ssize_t k)
-    void mha_pack_row_panels_f32(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,
-                                 float *packed)
-    void mha_pack_row_panels_f64(const double *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,
-                                 double *packed)
-    void mha_row_panel_gemm_f32(const float *packed, Py_ssize_t m, Py_ssize_t k, const float *w,
-                                Py_ssize_t ldw, const float *bias, float *out, Py_ssize_t ldo,
-                                Py_ssize_t j0, Py_ssize_t j1)
-    void mha_row_panel_gemm_f64(const double *packed, Py_ssize_t m, Py_ssize_t k,
-                                const double *w, Py_ssize_t ldw, const double *bias,
-                                double *out, Py_ssize_t ldo, Py_ssize_t j0, Py_ssize_t j1)
-    int mha_row_panel_set_isa(int level)
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
 # every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30

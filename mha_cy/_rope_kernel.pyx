@@ -13,19 +13,9 @@ from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
+from ._c_kernels cimport (mha_rope_table_f32, mha_rope_table_f64, mha_rope_rotate_f32,
+                          mha_rope_rotate_f64)
 from ._openmp_helpers cimport mha_omp_get_thread_num
-
-cdef extern from "rope.h" nogil:
-    void mha_rope_table_f32(const int64_t *positions, Py_ssize_t rows, const double *inv_freq,
-                            Py_ssize_t half, float *cos_out, float *sin_out)
-    void mha_rope_table_f64(const int64_t *positions, Py_ssize_t rows, const double *inv_freq,
-                            Py_ssize_t half, double *cos_out, double *sin_out)
-    void mha_rope_rotate_f32(float *x, Py_ssize_t rows, Py_ssize_t row_stride, Py_ssize_t heads,
-                             Py_ssize_t head_stride, const float *cos, const float *sin,
-                             Py_ssize_t half, int interleaved)
-    void mha_rope_rotate_f64(double *x, Py_ssize_t rows, Py_ssize_t row_stride,
-                             Py_ssize_t heads, Py_ssize_t head_stride, const double *cos,
-                             const double *sin, Py_ssize_t half, int interleaved)
 
 # Token rows per task: their cos/sin table (2 * 16 * D/2 values) stays in L1 while every head
 # of those rows is rotated. Measured (Zen 1, 1 thread, CPU time, loaded machine), L = 4096,
