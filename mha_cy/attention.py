@@ -119,8 +119,8 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
 
 
 def _plain_sdpa_operands(q, k, v):
-    """Whether q, k, v are C-contiguous, non-empty 4-D float32 or float64 arrays of one dtype
-    with consistent shapes (Hq a multiple of Hkv): what the kernel takes without a copy or a
+    """Whether q, k, v are C-contiguous, aligned, non-empty 4-D float32 or float64 arrays of one
+    dtype with consistent shapes (Hq a multiple of Hkv): what the kernel takes without a copy or a
     check, and what the general path would pass it unchanged."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
         return False
@@ -131,7 +131,8 @@ def _plain_sdpa_operands(q, k, v):
     (b, hq, lq, d), (bk, hkv, lk, dk), (bv, hv, lv, dv) = q.shape, k.shape, v.shape
     return (b == bk == bv and d == dk and hkv == hv and lk == lv and hkv > 0 and hq % hkv == 0
             and 0 not in (b, hq, lq, d, lk, dv) and lk <= _INT_MAX
-            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
+            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
+            and q.flags.aligned and k.flags.aligned and v.flags.aligned)
 
 
 def _linear(x, weight, bias, n_threads):

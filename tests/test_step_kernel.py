@@ -207,3 +207,24 @@ def test_mha_takes_the_compiled_call_for_a_tiny_layer(rng, taken):
         assert taken == [True, True]
         mha(rng.standard_normal((8, 512, 64)).astype(np.float32))   # too much work for 1 thread
         assert taken == [True, True, False]
+
+
+def _unaligned(a):
+    """A C-contiguous copy of a at an address that is not a multiple of its itemsize."""
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    out = np.frombuffer(raw.data, dtype=a.dtype, count=a.size, offset=1).reshape(a.shape)
+    out[...] = a
+    assert out.flags.c_contiguous and not out.flags.aligned
+    return out
+
+
+def test_unaligned_inputs_take_the_general_path(rng, taken):
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    x = rng.standard_normal((1, 5, 64)).astype(np.float32)
+    out = mha(_unaligned(x))
+    assert taken == [False]
+    np.testing.assert_array_equal(out, mha(x))
+    q = rng.standard_normal((1, 4, 3, 16)).astype(np.float32)
+    np.testing.assert_array_equal(
+        mha_cy.scaled_dot_product_attention(_unaligned(q), q, q),
+        mha_cy.scaled_dot_product_attention(q, q, q))
