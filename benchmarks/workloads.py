@@ -81,6 +81,7 @@ class Workload:
     padding: bool = False  # key padding: last 25% of keys padded in the first half of the batch
     need_weights: bool = False  # "mha": also return the per-head weights (B, Hq, Lq, Lk)
     bound: str = "compute"
+    cache_dtype: str = "float32"  # "decode": the KV cache's storage (new_cache(dtype=...))
     description: str = ""
 
     @property
@@ -107,7 +108,11 @@ class Workload:
             return 4 * (2 * B * Hkv * Lk * D + 2 * B * Hq * Lq * D)
         if self.kind == "decode":
             weights = E * (Hq * D + 2 * Hkv * D) + Hq * D * E + Hq * D + 2 * Hkv * D + E
-            return 4 * (weights + 2 * B * Hkv * Lk * D + 2 * B * Hkv * D + 2 * B * E)
+            # a float16 cache reads 2 bytes per value, an int8 one 1 plus a float32 scale per
+            # (sequence, K/V head, position) for K and for V
+            per_value = {"float32": 4, "float16": 2, "int8": 1}[self.cache_dtype]
+            cache = 2 * B * Hkv * Lk * (D * per_value + (4 if self.cache_dtype == "int8" else 0))
+            return 4 * (weights + 2 * B * Hkv * D + 2 * B * E) + cache
         raise ValueError(f"unknown kind {self.kind!r}")
 
     def info(self) -> dict:
@@ -151,6 +156,13 @@ WORKLOADS: dict[str, Workload] = {
                  bound="memory",
                  description="one decode step with projections, d_model 4096, cache of 2047 "
                              "tokens + the new one, batch 4, 32 query heads, 8 KV heads"),
+        *[Workload(f"decode_cache_{short}", "decode", B=4, Lq=1, Lk=2048, E=256, Hq=32,
+                   Hkv=8, D=128, bound="memory", cache_dtype=dtype,
+                   description=f"one decode step over a {dtype} KV cache "
+                               f"(new_cache(dtype=...)) of 2047 tokens + the new one, batch 4, "
+                               "32 query / 8 KV heads, head_dim 128; d_model 256 so that the "
+                               "cache, not the weights, is read")
+          for short, dtype in (("f32", "float32"), ("f16", "float16"), ("int8", "int8"))],
         Workload("tiny", "mha", B=1, Lq=16, Lk=16, E=64, Hq=4, Hkv=4, D=16,
                  description="batch 1, 16 tokens, d_model 64, 4 heads (per-call overhead)"),
         Workload("threads", "mha", **_ENCODER_BATCHED,
