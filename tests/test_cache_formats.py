@@ -411,3 +411,60 @@ def test_kernel_rejects_inconsistent_stored_operands(rng):
     with pytest.raises(TypeError, match="same dtype"):
         _attention_kernel.attention(q, k, v.astype(np.float16), out, None, None, True, 1.0,
                                     None, 1, k_scale=ks, v_scale=vs)
+
+
+# ---- every SIMD path (the portable float16 conversion included) --------------------------
+
+SIMD_CHILD = """
+import sys
+import numpy as np
+import mha_cy
+from mha_cy.attention import _attend
+data = dict(np.load(sys.argv[1]))
+out = {}
+for fmt in ("f16", "i8"):
+    for name in ("decode", "prefill"):
+        q = data[f"{name}_q"]
+        k, v = data[f"{name}_{fmt}_k"], data[f"{name}_{fmt}_v"]
+        ks = data.get(f"{name}_{fmt}_ks")
+        vs = data.get(f"{name}_{fmt}_vs")
+        o = np.empty(q.shape, np.float32)
+        _attend(q, k, v, o, None, None, True, 0.125, None, 2, None, k_scale=ks, v_scale=vs)
+        out[f"{name}_{fmt}"] = o
+np.savez(sys.argv[2], **out)
+print(mha_cy.build_info()["simd"])
+"""
+
+
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+def test_every_simd_level(rng, tmp_path, level):
+    import os
+    import subprocess
+    import sys
+    rank = {"sse2": 0, "avx2": 1, "avx512": 2}
+    cpu = mha_cy.build_info()["simd_cpu"]
+    if cpu not in rank:
+        pytest.skip("no run-time SIMD dispatch in this build")
+    if rank[{"portable": "sse2"}.get(level, level)] > rank[cpu]:
+        pytest.skip(f"this CPU cannot run {level}")
+    arrays, expected = {}, {}
+    for name, (Hq, Lq, Lk, D) in {"decode": (8, 1, 300, 40), "prefill": (2, 20, 90, 24)}.items():
+        q = rng.standard_normal((1, Hq, Lq, D)).astype(np.float32)
+        arrays[f"{name}_q"] = q
+        for short, fmt in (("f16", np.float16), ("i8", "int8")):
+            k, v, ks, vs, kf, vf = stored(rng, fmt, (1, 2, Lk, D))
+            arrays.update({f"{name}_{short}_k": k, f"{name}_{short}_v": v})
+            if ks is not None:
+                arrays.update({f"{name}_{short}_ks": ks, f"{name}_{short}_vs": vs})
+            expected[f"{name}_{short}"] = reference._attention(q, kf, vf, None, None, True,
+                                                               0.125)[0]
+    np.savez(tmp_path / "in.npz", **arrays)
+    env = dict(os.environ, MHA_CY_SIMD=level)
+    proc = subprocess.run([sys.executable, "-c", SIMD_CHILD, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], env=env, capture_output=True,
+                          text=True, timeout=300, check=False, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == {"portable": "sse2"}.get(level, level)
+    got = np.load(tmp_path / "out.npz")
+    for key, exp in expected.items():
+        assert_close(got[key], exp, np.float32, err_msg=f"{key} at {level}")
