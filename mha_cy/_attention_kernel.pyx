@@ -885,6 +885,8 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     cdef Py_ssize_t tile_size = max(max_rows * bk, _fused_scratch(&p, fused, scale))
     # stored K/V: one converted key and value tile after the accumulators
     cdef Py_ssize_t conv_size = 0 if p.kv_fmt == 0 else bk * (p.d + p.dv)
+    if p.kv_fmt != 0:       # the direct kernel's scores
+        tile_size = max(tile_size, mha_kv_direct_scratch())
     cdef float *conv
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
     with nogil, parallel(num_threads=team):

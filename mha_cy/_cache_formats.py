@@ -88,16 +88,11 @@ def cache_format(dtype, module_dtype):
     module_dtype = np.dtype(module_dtype)
     if dtype is None:
         return FloatFormat(module_dtype)
-    if isinstance(dtype, str) and dtype in ("int8", "float16"):
+    try:
         dt = np.dtype(dtype)
-    else:
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            dt = None
-        if dt is None or isinstance(dtype, (bool, int, float)):
-            raise TypeError(f"dtype must be None, np.float16 or 'int8' (or the module dtype "
-                            f"{module_dtype}); got {dtype!r}")
+    except TypeError:
+        raise TypeError(f"dtype must be None, np.float16 or 'int8' (or the module dtype "
+                        f"{module_dtype}); got {dtype!r}") from None
     if dt == module_dtype:
         return FloatFormat(module_dtype)
     if dt not in (np.dtype(np.float16), np.dtype(np.int8)):

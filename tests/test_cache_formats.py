@@ -322,6 +322,14 @@ def test_module_decode_threads_bitwise(rng, fmt):
             results.append(fast(x[:, 1099:], cache=cache))
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])
+    # one sequence, 1100 keys, 2 K/V heads: split-K; against the reference on the cache
+    key, value = cache.dequantize(1100)
+    ref = reference.MultiHeadAttention.from_weights(
+        fast.q_weight, fast.k_weight, fast.v_weight, fast.out_weight, num_heads=8,
+        num_kv_heads=2, q_bias=fast.q_bias, k_bias=fast.k_bias, v_bias=fast.v_bias,
+        out_bias=fast.out_bias, rope=fast.rope)
+    assert_close(results[0][0], expected_sequence(ref, x[0], key[0], value[0])[-1:],
+                 np.float32)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
