@@ -1,5 +1,6 @@
 /* float16 / int8 KV cache kernels: see kv_format.h. */
 
+#include <math.h>
 #include <string.h>
 
 #include "attention_tile.h"

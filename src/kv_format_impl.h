@@ -155,8 +155,38 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
     }
 }
 
+/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e1), never
+ * reading the V of a key whose probability is -0.0 (hidden by a mask, the convention of
+ * attention_tile.h where it has one): the slow path when the fast sums come out non-finite
+ * (a NaN or inf in V, e.g. a float16 overflow), and the last dv % W columns. */
+static void FN(kv_pv_exact_)(const int fmt, int M, const float *s, int nk, const void *v,
+                             ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0, ptrdiff_t e1)
+{
+    for (int i = 0; i < M; i++)
+        for (ptrdiff_t j = 0; j < nk; j++) {
+            float p = s[i * NK + j];
+            if (p == 0 && signbit(p))
+                continue;
+            for (ptrdiff_t e = e0; e < e1; e++)
+                acc[i * dv + e] += p * FN(kv_load1_)(fmt, v, j * v_rs + e);
+        }
+}
+
+/* Whether every lane of the M x n vectors is finite (x - x is NaN for inf and NaN). */
+static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, const VEC *a)
+{
+    VEC bad = (VEC){0};
+    for (int i = 0; i < M; i++)
+        bad += a[i] - a[i];
+    for (int t = 0; t < W; t++)
+        if (bad[t] != 0 || bad[t] != bad[t])
+            return 0;
+    return 1;
+}
+
 /* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M and every e: 2 vectors
- * of columns at a time with the M x 2 sums in registers, each V row converted once. */
+ * of columns at a time with the M x 2 sums in registers, each V row converted once; sums
+ * that come out non-finite are redone by kv_pv_exact_ (acc still holds the old ones). */
 static inline __attribute__((always_inline)) void
 FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, ptrdiff_t v_rs,
            float *acc, int dv)
@@ -177,6 +207,10 @@ FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, pt
                 a1[i] += p * b1;
             }
         }
+        if (!(FN(kv_finite_)(M, a0) && FN(kv_finite_)(M, a1))) {
+            FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, e + 2 * W);
+            continue;
+        }
         for (int i = 0; i < M; i++) {
             *(VEC *)(acc + i * dv + e) = a0[i];
             *(VEC *)(acc + i * dv + e + W) = a1[i];
@@ -191,16 +225,15 @@ FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, pt
             for (int i = 0; i < M; i++)
                 a0[i] += s[i * NK + j] * b0;
         }
+        if (!FN(kv_finite_)(M, a0)) {
+            FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, e + W);
+            continue;
+        }
         for (int i = 0; i < M; i++)
             *(VEC *)(acc + i * dv + e) = a0[i];
     }
-    for (; e < dv; e++)
-        for (int i = 0; i < M; i++) {
-            float x = acc[i * dv + e];
-            for (ptrdiff_t j = 0; j < nk; j++)
-                x += s[i * NK + j] * FN(kv_load1_)(fmt, v, j * v_rs + e);
-            acc[i * dv + e] = x;
-        }
+    if (e < dv)
+        FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
 }
 
 /* One block of M rows against the keys [j0, j0 + nk): scores, the masks and online softmax

@@ -476,3 +476,18 @@ def test_every_simd_level(rng, tmp_path, level):
     got = np.load(tmp_path / "out.npz")
     for key, exp in expected.items():
         assert_close(got[key], exp, np.float32, err_msg=f"{key} at {level}")
+
+
+@pytest.mark.parametrize("lq", [1, 5])
+def test_float16_overflow_in_v_is_not_silently_finite(rng, tile_kernel, lq):
+    """A value beyond float16's range is stored as inf: the rows that see it are not finite,
+    the rows of the other K/V head are untouched."""
+    q = rng.standard_normal((1, 4, lq, 32)).astype(np.float32)
+    k, v, _, _, kf, vf = stored(rng, np.float16, (1, 2, 40, 32))
+    v[0, 0, 3, 5] = np.inf
+    out = np.empty((1, 4, lq, 32), np.float32)
+    _attend(q, k, v, out, None, None, True, 0.2, None, 1, None)
+    assert not np.isfinite(out[0, :2]).all()
+    vf[0, 0, 3, 5] = 0
+    assert_close(out[0, 2:], reference._attention(q, kf, vf, None, None, True, 0.2)[0][0, 2:],
+                 np.float32)
