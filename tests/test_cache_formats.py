@@ -491,3 +491,25 @@ def test_float16_overflow_in_v_is_not_silently_finite(rng, tile_kernel, lq):
     vf[0, 0, 3, 5] = 0
     assert_close(out[0, 2:], reference._attention(q, kf, vf, None, None, True, 0.2)[0][0, 2:],
                  np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("window", [None, 900])
+def test_ragged_split_k(rng, fmt, window):
+    """Two sequences of 3000 and 1700 cached keys, one K/V head: split-K over ragged lengths
+    (and a window), every thread count bitwise equal."""
+    B, Hq, Lk, D = 2, 4, 3000, 64
+    q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
+    k, v, ks, vs, kf, vf = stored(rng, fmt, (B, 1, Lk, D))
+    ragged = np.array([[1, 1], [3000, 1700], [2999, 1699]], dtype=np.intp)
+    results = []
+    for n in (1, 2, 3):
+        out = np.zeros((B, Hq, 1, D), np.float32)
+        _attend(q, k, v, out, None, None, True, 0.125, None, n, window, ragged, None, ks, vs)
+        results.append(out)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+    for b, n in enumerate([3000, 1700]):
+        o_b, _ = reference._attention(q[b:b + 1], kf[b:b + 1, :, :n], vf[b:b + 1, :, :n], None,
+                                      None, True, 0.125, window)
+        assert_close(results[0][b:b + 1], o_b, np.float32)
