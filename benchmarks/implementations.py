@@ -131,6 +131,12 @@ class Implementation:
     def unsupported(self, w) -> str | None:
         return None
 
+    def unsupported_here(self, w) -> str | None:
+        """unsupported(w), and the cache dtypes only mha_cy's API takes."""
+        if w.cache_dtype != "float32" and not isinstance(self, _MhaCyAPI):
+            return f"a {w.cache_dtype} KV cache through this API is not built here"
+        return self.unsupported(w)
+
     def prepare(self, w, data: dict, threads: int) -> Prepared:
         raise NotImplementedError
 
@@ -162,7 +168,8 @@ class _MhaCyAPI(Implementation):
                             notes="MultiHeadAttention.from_weights(...)(x, key_padding_mask=, is_causal="
                                   + (", need_weights=True)" if weights else ")"))
         # decode: prefill a cache through the API, then time one step; the cache is rewound per round
-        cache = mha.new_cache(w.B, w.Lk)
+        cache = (mha.new_cache(w.B, w.Lk) if w.cache_dtype == "float32"
+                 else mha.new_cache(w.B, w.Lk, dtype=w.cache_dtype))
         prompt = d["prompt"]
         for start in range(0, prompt.shape[1], PREFILL_CHUNK):
             mha(prompt[:, start:start + PREFILL_CHUNK], cache=cache)

@@ -87,7 +87,7 @@ def child(workload: str, impl_name: str, threads: int) -> dict:
 
     w = workloads.get(workload)
     impl = implementations.IMPLEMENTATIONS[impl_name]
-    reason = impl.unavailable() or impl.unsupported(w)
+    reason = impl.unavailable() or impl.unsupported_here(w)
     if reason:
         return {"skipped": reason}
     with implementations.thread_limits(threads):

@@ -37,7 +37,8 @@ BASELINE = "numpy"
 PEERS = ("torch_sdpa", "torch_mha", "onnxruntime", "openvino")
 IMPL_ORDER = ("mha_cy", "numpy", "torch_sdpa", "torch_mha", "onnxruntime", "openvino")
 WORKLOAD_ORDER = ("encoder", "encoder_weights", "encoder_batched", "long_causal", "encoder_sdpa",
-                  "encoder_batched_sdpa", "long_causal_sdpa", "decode_gqa", "decode_proj", "tiny", "threads")
+                  "encoder_batched_sdpa", "long_causal_sdpa", "decode_gqa", "decode_proj",
+                  "decode_cache_f32", "decode_cache_f16", "decode_cache_int8", "tiny", "threads")
 USER_ENV_DROPS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 DEFAULT_ENV_WORKLOADS = ("encoder_sdpa", "encoder_batched_sdpa", "long_causal_sdpa")
 

@@ -103,7 +103,7 @@ def check_output(got, expected, w, impl_name):
 
 def test_attention(benchmark, case, request):
     w, threads, impl = case
-    reason = impl.unavailable() or impl.unsupported(w)
+    reason = impl.unavailable() or impl.unsupported_here(w)
     if reason:
         pytest.skip(reason)
 

@@ -86,6 +86,7 @@ class Workload:
     # set larger than L3, so that a decode step reads DRAM rather than what the last call
     # left in cache (bytes and flops stay per call)
     layers: int = 1
+    cache_dtype: str = "float32"  # "decode": the KV cache's storage (new_cache(dtype=...))
     description: str = ""
 
     @property
@@ -112,7 +113,11 @@ class Workload:
             return 4 * (2 * B * Hkv * Lk * D + 2 * B * Hq * Lq * D)
         if self.kind == "decode":
             weights = E * (Hq * D + 2 * Hkv * D) + Hq * D * E + Hq * D + 2 * Hkv * D + E
-            return 4 * (weights + 2 * B * Hkv * Lk * D + 2 * B * Hkv * D + 2 * B * E)
+            # a float16 cache reads 2 bytes per value, an int8 one 1 plus a float32 scale per
+            # (sequence, K/V head, position) for K and for V
+            per_value = {"float32": 4, "float16": 2, "int8": 1}[self.cache_dtype]
+            cache = 2 * B * Hkv * Lk * (D * per_value + (4 if self.cache_dtype == "int8" else 0))
+            return 4 * (weights + 2 * B * Hkv * D + 2 * B * E) + cache
         raise ValueError(f"unknown kind {self.kind!r}")
 
     def info(self) -> dict:
@@ -165,6 +170,13 @@ WORKLOADS: dict[str, Workload] = {
                  description="one sequence, 8 query heads over one K/V head of 32k tokens "
                              "(32 MiB), 8 such caches in turn: split-K must keep every core "
                              "streaming"),
+        *[Workload(f"decode_cache_{short}", "decode", B=4, Lq=1, Lk=2048, E=256, Hq=32,
+                   Hkv=8, D=128, bound="memory", cache_dtype=dtype, layers=8,
+                   description=f"one decode step over a {dtype} KV cache "
+                               f"(new_cache(dtype=...)) of 2047 tokens + the new one, batch 4, "
+                               "32 query / 8 KV heads, head_dim 128; d_model 256 so that the "
+                               "cache, not the weights, is read; 8 such caches in turn")
+          for short, dtype in (("f32", "float32"), ("f16", "float16"), ("int8", "int8"))],
         Workload("decode_small", "decode", B=1, Lq=1, Lk=17, E=64, Hq=4, Hkv=4, D=16,
                  description="one decode step of a small layer (d_model 64, 4 heads) over 16 "
                              "cached tokens: the per-call cost of a step"),

@@ -85,6 +85,32 @@ cdef extern from "attention_microkernel.h" nogil:
                                      Py_ssize_t limit_step, Py_ssize_t window, double *m,
                                      double *l, double *acc, double *work)
 
+cdef extern from "kv_format.h" nogil:
+    int MHA_KV_F16
+    int MHA_KV_I8
+    Py_ssize_t mha_kv_direct_scratch()
+    void mha_kv_attend_direct_f16_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                                      const unsigned short *k, Py_ssize_t k_rs,
+                                      const unsigned short *v, Py_ssize_t v_rs, int dv,
+                                      Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
+                                      const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                      const unsigned char *pad, Py_ssize_t limit,
+                                      Py_ssize_t limit_step, Py_ssize_t window, float *m,
+                                      float *l, float *acc, float *work)
+    void mha_kv_attend_direct_i8_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                                     const signed char *k, Py_ssize_t k_rs,
+                                     const float *k_scale, const signed char *v,
+                                     Py_ssize_t v_rs, const float *v_scale, int dv,
+                                     Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
+                                     const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
+                                     float *l, float *acc, float *work)
+    void mha_kv_load_f16_f32(const unsigned short *src, Py_ssize_t src_rs, int n, int d,
+                             float *dst, Py_ssize_t dst_rs)
+    void mha_kv_load_i8_f32(const signed char *src, Py_ssize_t src_rs, const float *scale,
+                            int n, int d, float *dst, Py_ssize_t dst_rs)
+
 # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
 cdef double MIN_FLOPS_PER_THREAD = 1e6
 # With fewer tasks than this (a decode step of one sequence with one K/V head, say), the keys
@@ -134,6 +160,16 @@ cdef struct Problem:
     # the even groups of GQA, h // group (no lookup on the common path).
     const Py_ssize_t *kv_index
     const Py_ssize_t *group_start
+    # K/V stored as float16 or int8 (a KV cache of that dtype, see _stored_attend_task):
+    # kv_fmt MHA_KV_F16 / MHA_KV_I8, 0 for K/V of the compute dtype. k_raw, v_raw: the
+    # storage (element strides kb.. / vb.. as above, in stored elements); k_scale, v_scale:
+    # int8 only, (B, Hkv, Lk) float32 with strides sb, sh and contiguous keys
+    int kv_fmt
+    const void *k_raw
+    const void *v_raw
+    const float *k_scale
+    const float *v_scale
+    Py_ssize_t sb, sh
 
 
 cdef struct Task:
@@ -431,6 +467,151 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
           <int> w_rs, v0 + kb * p.vl, <int> p.vl, <floating> 0, o0, <int> o_rs)
 
 
+# ---- K/V stored as float16 or int8 (KV caches of those dtypes) ----------------------------
+# One body for both formats: the format enters only where keys/values are read. Tasks of
+# few rows (decode) run the direct kernel of src/kv_format.c, which converts in registers;
+# every other path converts one tile of keys and values at a time into the thread's scratch
+# (the float32 values the cache means, exactly) and runs the float32 tile kernel on it.
+
+cdef inline void _load_tile(const Problem *p, const void *raw, Py_ssize_t off, Py_ssize_t rs,
+                            const float *scales, Py_ssize_t j0, Py_ssize_t n, Py_ssize_t d,
+                            float *dst) noexcept nogil:
+    """Rows j0 .. j0 + n - 1 of one stored K or V head (element offset off, row stride rs)
+    as float32 rows of d values at dst."""
+    if p.kv_fmt == MHA_KV_F16:
+        mha_kv_load_f16_f32(<const unsigned short *> raw + off + j0 * rs, rs, <int> n, <int> d,
+                            dst, d)
+    else:
+        mha_kv_load_i8_f32(<const signed char *> raw + off + j0 * rs, rs, scales + j0, <int> n,
+                           <int> d, dst, d)
+
+
+cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float scale,
+                              const float *q, float *out, const float *mask,
+                              const unsigned char *pad, float *scores, float *conv,
+                              float *acc, float *row_max, float *row_sum, bint finish,
+                              bint fused) noexcept nogil:
+    """_attend_task with stored K/V. conv: block_k * (d + dv) floats (one converted tile)."""
+    cdef Task task
+    _task(p, t // n_parts, &task)
+    cdef Py_ssize_t r, j0, nk, part_len
+    cdef Py_ssize_t k_begin = task.k_begin, k_end = task.k_end
+    if n_parts > 1:      # whole tiles per part, as _attend_task
+        part_len = (k_end - k_begin + n_parts - 1) // n_parts
+        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
+        k_begin = min(k_end, task.k_begin + (t % n_parts) * part_len)
+        k_end = min(k_end, k_begin + part_len)
+    cdef const float *q0 = q + task.q_off
+    cdef float *o0 = out + task.o_off
+    cdef const float *m0 = NULL if mask == NULL else mask + task.m_off
+    cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
+    cdef Py_ssize_t s_off = task.b * p.sb + task.kv_head * p.sh
+    cdef const float *ks = NULL if p.k_scale == NULL else p.k_scale + s_off
+    cdef const float *vs = NULL if p.v_scale == NULL else p.v_scale + s_off
+    cdef float *kt = conv
+    cdef float *vt = conv + p.block_k * p.d
+    cdef Py_ssize_t limit = k_end, step = 0
+    if p.causal:
+        limit, step = task.i0 + _offset(p, task.b) + 1, task.di
+
+    memset(acc, 0, task.rows * p.dv * sizeof(float))
+    for r in range(task.rows):
+        row_max[r] = -INFINITY
+        row_sum[r] = 0
+    if fused and task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1
+                                                     or p.d >= FUSED_DIRECT_MIN_D):
+        if p.kv_fmt == MHA_KV_F16:
+            mha_kv_attend_direct_f16_f32(q0, task.q_rs, <int> task.rows, <int> p.d,
+                                         <const unsigned short *> p.k_raw + task.k_off, p.kl,
+                                         <const unsigned short *> p.v_raw + task.v_off, p.vl,
+                                         <int> p.dv, k_begin, k_end, scale, m0, task.m_rs,
+                                         p.mk, pad_row, limit, step, p.window, row_max,
+                                         row_sum, acc, scores)
+        else:
+            mha_kv_attend_direct_i8_f32(q0, task.q_rs, <int> task.rows, <int> p.d,
+                                        <const signed char *> p.k_raw + task.k_off, p.kl, ks,
+                                        <const signed char *> p.v_raw + task.v_off, p.vl, vs,
+                                        <int> p.dv, k_begin, k_end, scale, m0, task.m_rs,
+                                        p.mk, pad_row, limit, step, p.window, row_max,
+                                        row_sum, acc, scores)
+        k_end = k_begin          # (no tiles)
+    j0 = k_begin
+    while j0 < k_end:
+        nk = min(p.block_k, k_end - j0)
+        _load_tile(p, p.k_raw, task.k_off, p.kl, ks, j0, nk, p.d, kt)
+        _load_tile(p, p.v_raw, task.v_off, p.vl, vs, j0, nk, p.dv, vt)
+        if fused:       # the tile's keys are 0 .. nk - 1 to the kernel: shift what counts keys
+            mha_fused_attend_f32(q0, task.q_rs, <int> task.rows, <int> p.d, kt, p.d, vt, p.dv,
+                                 <int> p.dv, 0, nk, scale,
+                                 NULL if m0 == NULL else m0 + j0 * p.mk, task.m_rs, p.mk,
+                                 NULL if pad_row == NULL else pad_row + j0, limit - j0, step,
+                                 p.window, row_max, row_sum, acc, scores)
+        else:
+            _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0,
+                  <int> task.q_rs, kt, <int> p.d, <float> 0, scores, <int> p.block_k)
+            for r in range(task.rows):
+                _row_softmax_online(scores + r * p.block_k, nk,
+                                    NULL if m0 == NULL else m0 + r * task.m_rs + j0 * p.mk,
+                                    p.mk, NULL if pad_row == NULL else pad_row + j0,
+                                    _n_skip(p, &task, r, j0, nk), _n_valid(p, &task, r, j0, nk),
+                                    &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
+            _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <float> 1, scores,
+                  <int> p.block_k, vt, <int> p.dv, <float> 1, acc, <int> p.dv)
+        j0 += nk
+    if finish:
+        for r in range(task.rows):
+            _row_finish(acc + r * p.dv, row_sum[r], o0 + r * task.o_rs, p.dv)
+
+
+cdef void _stored_weights_task(const Problem *p, Py_ssize_t t, float scale, const float *q,
+                               float *out, const float *mask, const unsigned char *pad,
+                               float *weights, float *conv) noexcept nogil:
+    """_weights_task with stored K/V, one converted tile (block_k x max(d, dv) floats in
+    conv) at a time: scores tile by tile into the weight rows, the exact softmax, then the
+    P V products tile by tile."""
+    cdef Task task
+    _task(p, t, &task)
+    cdef Py_ssize_t r, j0, nk
+    cdef Py_ssize_t q_rs = task.q_rs, o_rs = task.o_rs, w_rs = task.w_rs, m_rs = task.m_rs
+    cdef const float *q0 = q + task.q_off
+    cdef float *o0 = out + task.o_off
+    cdef float *w0 = weights + task.w_off
+    cdef const float *m0 = NULL if mask == NULL else mask + task.m_off
+    cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
+    cdef Py_ssize_t s_off = task.b * p.sb + task.kv_head * p.sh
+    cdef const float *ks = NULL if p.k_scale == NULL else p.k_scale + s_off
+    cdef const float *vs = NULL if p.v_scale == NULL else p.v_scale + s_off
+
+    cdef Py_ssize_t kb = task.k_begin, n = task.k_end - task.k_begin
+    for r in range(task.rows):
+        memset(w0 + r * w_rs, 0, kb * sizeof(float))
+        memset(w0 + r * w_rs + task.k_end, 0, (p.k_len - task.k_end) * sizeof(float))
+    if n <= 0:
+        for r in range(task.rows):
+            memset(w0 + r * w_rs, 0, p.k_len * sizeof(float))
+            memset(o0 + r * o_rs, 0, p.dv * sizeof(float))
+        return
+    j0 = kb
+    while j0 < task.k_end:
+        nk = min(p.block_k, task.k_end - j0)
+        _load_tile(p, p.k_raw, task.k_off, p.kl, ks, j0, nk, p.d, conv)
+        _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0, <int> q_rs,
+              conv, <int> p.d, <float> 0, w0 + j0, <int> w_rs)
+        j0 += nk
+    for r in range(task.rows):
+        _row_softmax(w0 + r * w_rs + kb, n,
+                     NULL if m0 == NULL else m0 + r * m_rs + kb * p.mk, p.mk,
+                     NULL if pad_row == NULL else pad_row + kb, _n_skip(p, &task, r, kb, n),
+                     _n_valid(p, &task, r, kb, n))
+    j0 = kb
+    while j0 < task.k_end:
+        nk = min(p.block_k, task.k_end - j0)
+        _load_tile(p, p.v_raw, task.v_off, p.vl, vs, j0, nk, p.dv, conv)
+        _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <float> 1, w0 + j0,
+              <int> w_rs, conv, <int> p.dv, <float> (0 if j0 == kb else 1), o0, <int> o_rs)
+        j0 += nk
+
+
 cdef inline bint _use_fused(const Problem *p) noexcept nogil:
     """Whether the online path runs the fused tile kernel (see src/attention_microkernel.h):
     a rule of the shapes only, so the result does not depend on the thread count."""
@@ -479,10 +660,76 @@ def _group_starts(const Py_ssize_t[::1] kv_index, Py_ssize_t q_heads, Py_ssize_t
     return starts
 
 
-def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
-              const floating[:, :, :, :] v, floating[:, :, :, :] out,
+cdef Py_ssize_t _stored_format(Problem *p, k, v, k_scale, v_scale,
+                               Py_ssize_t isz) except -1:
+    """Set p.kv_fmt, p.k_raw, p.v_raw and the int8 scales from k, v (and k_scale, v_scale);
+    return the itemsize of the stored K/V (isz for K/V of the compute dtype)."""
+    p.kv_fmt = 0
+    p.k_raw = p.v_raw = NULL
+    p.k_scale = p.v_scale = NULL
+    p.sb = p.sh = 0
+    kind = getattr(k, "dtype", None)
+    if kind is None or kind not in (np.float16, np.int8):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("attention: k_scale / v_scale are for int8 K/V only")
+        return isz
+    if v.dtype != kind:
+        raise TypeError(f"attention: k and v must have the same dtype; got {kind}, {v.dtype}")
+    cdef const unsigned short[:, :, :, :] k16
+    cdef const unsigned short[:, :, :, :] v16
+    cdef const signed char[:, :, :, :] k8
+    cdef const signed char[:, :, :, :] v8
+    cdef const float[:, :, :] ks
+    cdef const float[:, :, :] vs
+    if kind == np.float16:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("attention: k_scale / v_scale are for int8 K/V only")
+        p.kv_fmt = MHA_KV_F16
+        k16, v16 = k.view(np.uint16), v.view(np.uint16)
+        if k16.size and v16.size:
+            p.k_raw, p.v_raw = &k16[0, 0, 0, 0], &v16[0, 0, 0, 0]
+        return 2
+    if k_scale is None or v_scale is None:
+        raise ValueError("attention: int8 K/V need k_scale and v_scale")
+    p.kv_fmt = MHA_KV_I8
+    ks, vs = k_scale, v_scale
+    if (tuple(k_scale.shape) != tuple(k.shape[:3]) or tuple(v_scale.shape) != tuple(k.shape[:3])
+            or ks.strides[0] != vs.strides[0] or ks.strides[1] != vs.strides[1]
+            or (ks.shape[2] > 1 and (ks.strides[2] != 4 or vs.strides[2] != 4))):
+        raise ValueError("attention: k_scale, v_scale must be (B, Hkv, Lk) with equal strides "
+                         "and a contiguous last axis")
+    k8, v8 = k, v
+    if k8.size and v8.size:
+        p.k_raw, p.v_raw = &k8[0, 0, 0, 0], &v8[0, 0, 0, 0]
+        p.k_scale, p.v_scale = &ks[0, 0, 0], &vs[0, 0, 0]
+    p.sb, p.sh = ks.strides[0] // 4, ks.strides[1] // 4
+    return 1
+
+
+cdef void _stored_weights(const Problem *p, int team, Py_ssize_t n_tasks, float scale,
+                          const float *q, float *out, const float *mask,
+                          const unsigned char *pad, float *weights) except *:
+    """The weights path over stored K/V: one converted tile of scratch per thread."""
+    cdef Py_ssize_t t
+    cdef float *conv
+    cdef int failed = 0
+    cdef int *failed_ptr = &failed
+    cdef Py_ssize_t conv_size = p.block_k * max(p.d, p.dv)
+    with nogil, parallel(num_threads=team):
+        conv = <float *> malloc(conv_size * sizeof(float))
+        if conv == NULL:
+            failed_ptr[0] = 1
+        for t in prange(n_tasks, schedule='dynamic'):
+            if conv != NULL:
+                _stored_weights_task(p, t, scale, q, out, mask, pad, weights, conv)
+        free(conv)
+    if failed:
+        raise MemoryError("attention: could not allocate the per-thread key tiles")
+
+
+def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
               mask, pad, bint causal, floating scale, weights, int n_threads,
-              Py_ssize_t window=0, ragged=None, kv_index=None):
+              Py_ssize_t window=0, ragged=None, kv_index=None, k_scale=None, v_scale=None):
     """out := softmax(scale * q k^T + mask) v per (batch, head), in place.
 
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv): strided views
@@ -498,21 +745,28 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     kv_index: None (query head h reads K/V head h // (Hq / Hkv)) or an intp (Hq,) array of
     K/V head indices (uneven groups, a pruned module); when it is non-decreasing and uses
     every K/V head, decode steps still stream each K/V head once for its query heads.
+    k, v may instead be the float16 or int8 storage of a KV cache (float32 q only; int8
+    with k_scale, v_scale: (B, Hkv, Lk) float32, contiguous last axis, the same strides):
+    they are read in that format (see _stored_attend_task).
     """
     cdef Problem p
     cdef Py_ssize_t isz = sizeof(floating)
+    cdef Py_ssize_t ksz = _stored_format(&p, k, v, k_scale, v_scale, isz)
     # (a memoryview spec cannot say "only the last axis contiguous": check it here; the
     # stride of an axis of length 1 is never used, and NumPy may report any value for it)
-    if not ((q.shape[3] == 1 or q.strides[3] == isz) and (k.shape[3] == 1 or k.strides[3] == isz)
-            and (v.shape[3] == 1 or v.strides[3] == isz)
+    if not ((q.shape[3] == 1 or q.strides[3] == isz) and (k.shape[3] == 1 or k.strides[3] == ksz)
+            and (v.shape[3] == 1 or v.strides[3] == ksz)
             and (out.shape[3] == 1 or out.strides[3] == isz)):
         raise ValueError("attention: q, k, v and out need a contiguous last axis")
     p.batch, p.q_heads, p.q_len, p.d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.k_len, p.dv = k.shape[1], k.shape[2], v.shape[3]
     p.group = p.q_heads // p.kv_heads
     p.qb, p.qh, p.ql = _elem(q.strides[0], isz), _elem(q.strides[1], isz), _elem(q.strides[2], isz)
-    p.kb, p.kh, p.kl = _elem(k.strides[0], isz), _elem(k.strides[1], isz), _elem(k.strides[2], isz)
-    p.vb, p.vh, p.vl = _elem(v.strides[0], isz), _elem(v.strides[1], isz), _elem(v.strides[2], isz)
+    p.kb, p.kh, p.kl = _elem(k.strides[0], ksz), _elem(k.strides[1], ksz), _elem(k.strides[2], ksz)
+    p.vb, p.vh, p.vl = _elem(v.strides[0], ksz), _elem(v.strides[1], ksz), _elem(v.strides[2], ksz)
+    if floating is double:
+        if p.kv_fmt != 0:
+            raise TypeError("attention: float16 / int8 K/V need float32 q")
     p.ob, p.oh, p.ol = (_elem(out.strides[0], isz), _elem(out.strides[1], isz),
                         _elem(out.strides[2], isz))
     p.causal = causal
@@ -585,13 +839,22 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     cdef Py_ssize_t max_rows = max_group if p.heads_as_rows else p.block_q
     cdef Py_ssize_t bk = p.block_k
     cdef const floating *q_ptr = &q[0, 0, 0, 0]
-    cdef const floating *k_ptr = &k[0, 0, 0, 0]
-    cdef const floating *v_ptr = &v[0, 0, 0, 0]
+    cdef const floating[:, :, :, :] k_view
+    cdef const floating[:, :, :, :] v_view
+    cdef const floating *k_ptr = NULL
+    cdef const floating *v_ptr = NULL
+    if p.kv_fmt == 0:
+        k_view, v_view = k, v
+        k_ptr, v_ptr = &k_view[0, 0, 0, 0], &v_view[0, 0, 0, 0]
     cdef floating *o_ptr = &out[0, 0, 0, 0]
     cdef Py_ssize_t t
     cdef floating *scratch
     cdef int failed = 0
 
+    if w_ptr != NULL and p.kv_fmt != 0:
+        _stored_weights(&p, team, n_tasks, <float> scale, <const float *> q_ptr,
+                        <float *> o_ptr, <const float *> mask_ptr, pad_ptr, <float *> w_ptr)
+        return out
     if w_ptr != NULL:
         with nogil, parallel(num_threads=team):
             for t in prange(n_tasks, schedule='dynamic'):
@@ -620,19 +883,34 @@ def attention(const floating[:, :, :, :] q, const floating[:, :, :, :] k,
     cdef bint fused = _use_fused(&p)
     # the score tile, or the fused kernel's packed keys and scores, before the accumulators
     cdef Py_ssize_t tile_size = max(max_rows * bk, _fused_scratch(&p, fused, scale))
+    # stored K/V: one converted key and value tile after the accumulators
+    cdef Py_ssize_t conv_size = 0 if p.kv_fmt == 0 else bk * (p.d + p.dv)
+    if p.kv_fmt != 0:       # the direct kernel's scores
+        tile_size = max(tile_size, mha_kv_direct_scratch())
+    cdef float *conv
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
     with nogil, parallel(num_threads=team):
         # per-thread scratch: one score tile, the accumulators, running max and sum
-        scratch = <floating *> malloc((tile_size + max_rows * (p.dv + 2)) * sizeof(floating))
+        scratch = <floating *> malloc((tile_size + max_rows * (p.dv + 2) + conv_size)
+                                      * sizeof(floating))
         if scratch == NULL:
             failed_ptr[0] = 1
         # every thread must reach the worksharing loop, even one without scratch
         for t in prange(n_tasks * n_parts, schedule='dynamic'):
             if scratch != NULL:
                 acc = scratch + tile_size if n_parts == 1 else parts + t * part_size
-                _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
-                             pad_ptr, scratch, acc, acc + max_rows * p.dv,
-                             acc + max_rows * (p.dv + 1), n_parts == 1, fused)
+                if p.kv_fmt != 0:
+                    conv = <float *> (scratch + tile_size + max_rows * (p.dv + 2))
+                    _stored_attend_task(&p, t, n_parts, <float> scale, <const float *> q_ptr,
+                                        <float *> o_ptr, <const float *> mask_ptr, pad_ptr,
+                                        <float *> scratch, conv, <float *> acc,
+                                        <float *> (acc + max_rows * p.dv),
+                                        <float *> (acc + max_rows * (p.dv + 1)), n_parts == 1,
+                                        fused)
+                else:
+                    _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+                                 pad_ptr, scratch, acc, acc + max_rows * p.dv,
+                                 acc + max_rows * (p.dv + 1), n_parts == 1, fused)
         free(scratch)
     if n_parts > 1:
         if not failed:

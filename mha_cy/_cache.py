@@ -3,6 +3,8 @@ import numbers
 
 import numpy as np
 
+from ._cache_formats import FloatFormat
+
 
 def _int_per_sequence(value, batch, name):
     """value (an int, or (batch,) ints) as an int64 (batch,) array; TypeError/ValueError else."""
@@ -33,12 +35,23 @@ class KVCache:
     that fails (bad input, overflow) leaves ``lengths`` and the stored values unchanged:
     positions past a sequence's length are scratch, never state, and nothing is written
     before every check has passed.
+
+    Storage formats (mha_cy._cache_formats, chosen by new_cache(dtype=...)): the module's
+    float dtype, float16, or int8 with one float32 scale per (batch, K/V head, position) in
+    ``key_scale`` and ``value_scale`` (batch_size, num_kv_heads, max_len); None for the
+    float formats. ``dtype`` is the stored dtype; ``dequantize()`` gives the float values.
     """
 
-    def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype):
+    def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype, storage=None):
+        fmt = FloatFormat(dtype) if storage is None else storage
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.key = np.zeros(shape, dtype=dtype)
-        self.value = np.zeros(shape, dtype=dtype)
+        self._format = fmt
+        self.key = np.zeros(shape, dtype=fmt.dtype)
+        self.value = np.zeros(shape, dtype=fmt.dtype)
+        self.key_scale = self.value_scale = None
+        if fmt.has_scales:
+            self.key_scale = np.zeros(shape[:3], dtype=np.float32)
+            self.value_scale = np.zeros(shape[:3], dtype=np.float32)
         self._set_lengths(np.zeros(batch_size, dtype=np.int64))
 
     def _set_lengths(self, lengths):
@@ -66,7 +79,23 @@ class KVCache:
 
     @property
     def dtype(self):
+        """The stored dtype: the module's float dtype, float16 or int8."""
         return self.key.dtype
+
+    @property
+    def compute_dtype(self):
+        """The dtype the attention computes in (float32 for float16 and int8 caches)."""
+        return self._format.compute_dtype
+
+    def dequantize(self, length=None):
+        """(key, value) as float arrays (batch_size, num_kv_heads, length, head_dim) of
+        compute_dtype, length = max_len by default: views of the storage for a float cache,
+        new arrays otherwise (the decoded values the kernels compute with)."""
+        stop = self.max_len if length is None else length
+        scales = (self.key_scale, self.value_scale)
+        return tuple(self._format.decode(x[:, :, :stop],
+                                         None if s is None else s[:, :, :stop])
+                     for x, s in zip((self.key, self.value), scales))
 
     @property
     def lengths(self):
@@ -83,7 +112,8 @@ class KVCache:
     @property
     def nbytes(self):
         """Bytes of the allocated storage (the max_len capacity, not only the cached tokens)."""
-        return self.key.nbytes + self.value.nbytes
+        scales = 0 if self.key_scale is None else self.key_scale.nbytes + self.value_scale.nbytes
+        return self.key.nbytes + self.value.nbytes + scales
 
     def truncate(self, length):
         """Forget every token of sequence b after its first length[b] (e.g. to roll back a
@@ -117,6 +147,9 @@ class KVCache:
         stop = self.length
         self.key[:, :, :stop] = self.key[idx, :, :stop]
         self.value[:, :, :stop] = self.value[idx, :, :stop]
+        if self.key_scale is not None:
+            self.key_scale[:, :, :stop] = self.key_scale[idx, :, :stop]
+            self.value_scale[:, :, :stop] = self.value_scale[idx, :, :stop]
         self._set_lengths(self._lengths[idx])
 
     def copy(self):
@@ -149,19 +182,30 @@ class KVCache:
 
     def _write(self, keys, values, plan):
         """Store (B, Hkv, n, D) keys/values: sequence b's first plan.counts[b] after its cached
-        ones. Return the (B, Hkv, plan.k_len, D) views to attend over (sequence b's keys past
-        plan.k_lens[b] are scratch: the kernels read only its own). The lengths are committed
-        separately (_commit), after success."""
+        ones. Return the (B, Hkv, plan.k_len, D) views of the storage to attend over (stored
+        dtype; sequence b's keys past plan.k_lens[b] are scratch: the kernels read only its
+        own); _scales gives the int8 scales. The lengths are committed separately (_commit),
+        after success. Everything is encoded before anything is stored."""
         stop = plan.k_len
+        (k, k_scale), (v, v_scale) = self._format.encode(keys), self._format.encode(values)
+        targets = [(self.key, k), (self.value, v)]
+        if k_scale is not None:
+            targets += [(self.key_scale, k_scale), (self.value_scale, v_scale)]
         if not plan.ragged:
             start = plan.start
-            self.key[:, :, start:stop] = keys
-            self.value[:, :, start:stop] = values
+            for dst, src in targets:
+                dst[:, :, start:stop] = src
         else:
             for b, (start, count) in enumerate(zip(plan.starts.tolist(), plan.counts.tolist())):
-                self.key[b, :, start:start + count] = keys[b, :, :count]
-                self.value[b, :, start:start + count] = values[b, :, :count]
+                for dst, src in targets:
+                    dst[b, :, start:start + count] = src[b, :, :count]
         return self.key[:, :, :stop], self.value[:, :, :stop]
+
+    def _scales(self, stop):
+        """(key_scale, value_scale) views (B, Hkv, stop), or (None, None)."""
+        if self.key_scale is None:
+            return None, None
+        return self.key_scale[:, :, :stop], self.value_scale[:, :, :stop]
 
     def _commit(self, plan):
         if plan.ragged:

@@ -74,6 +74,10 @@ class CachePlan:
         """Append the new keys/values; the (B, Hkv, k_len, D) views to attend over."""
         return self.cache._write(k, v, self)
 
+    def scales(self):
+        """The int8 cache's (key_scale, value_scale) views to attend over, or (None, None)."""
+        return self.cache._scales(self.k_len)
+
     def commit(self):
         self.cache._commit(self)
 

@@ -4,6 +4,7 @@ import numpy as np
 
 from . import _weights_io
 from ._cache import KVCache
+from ._cache_formats import cache_format
 from ._call_plan import CachePlan
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
                       check_head_mask, check_key_padding_mask, check_ndim, float_dtype,
@@ -248,10 +249,14 @@ class MultiHeadAttentionBase:
                 + ("" if self.window is None else f", window={self.window}")
                 + f", rope={self.rope!r})")
 
-    def new_cache(self, batch_size, max_len):
-        """An empty KV cache for incremental decoding of batch_size sequences up to max_len."""
+    def new_cache(self, batch_size, max_len, dtype=None):
+        """An empty KV cache for incremental decoding of batch_size sequences up to max_len.
+        dtype: None (the module dtype), np.float16, or "int8" (symmetric, one float32 scale
+        per (batch, K/V head, position)); float16 and int8 need a float32 module (see
+        mha_cy._cache_formats for their rounding and NaN/inf handling)."""
+        storage = cache_format(dtype, self.dtype)
         return KVCache(positive_int(batch_size, "batch_size"), self.num_kv_heads,
-                       positive_int(max_len, "max_len"), self.head_dim, self.dtype)
+                       positive_int(max_len, "max_len"), self.head_dim, self.dtype, storage)
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
                  is_causal=False, need_weights=False, cache=None, lengths=None,
@@ -342,7 +347,7 @@ class MultiHeadAttentionBase:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache from new_cache(); got {type(cache).__name__}")
         mine = (self.num_kv_heads, self.head_dim, self.dtype)
-        theirs = (cache.num_kv_heads, cache.head_dim, cache.dtype)
+        theirs = (cache.num_kv_heads, cache.head_dim, cache.compute_dtype)
         if mine != theirs:
             raise ValueError(f"cache has (num_kv_heads, head_dim, dtype) = {theirs}; this module "
                              f"needs {mine}: make it with this module's new_cache()")

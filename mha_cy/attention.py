@@ -65,18 +65,19 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
 
 
 def _attend(q, k, v, out, attn_mask, key_padding_mask, is_causal, scale, weights, n_threads,
-            window=None, ragged=None, kv_index=None):
+            window=None, ragged=None, kv_index=None, k_scale=None, v_scale=None):
     """out[...] = attention of q over k, v ((B, H, L, D) views as _blas_operand returns them),
     weights filled if given; window: None or an int (with is_causal); ragged: the kernel's
     per-sequence counts (CachePlan.kernel_ragged) or None; kv_index: the K/V head of each
-    query head, None = even groups."""
+    query head, None = even groups. k, v may be a float16 / int8 cache's storage views (with
+    an int8 cache's k_scale, v_scale): the kernel reads them in that format."""
     _check_32_bit_sizes(q, k, weights)
     add = pad = None
     if attn_mask is not None or key_padding_mask is not None:
         add, pad = _kernel_masks(attn_mask, key_padding_mask,
                                  q.shape[:3] + (k.shape[2],), q.dtype)
     _attention_kernel.attention(q, k, v, out, add, pad, is_causal, scale, weights, n_threads,
-                                window or 0, ragged, kv_index)
+                                window or 0, ragged, kv_index, k_scale, v_scale)
 
 
 def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
@@ -334,9 +335,10 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                      kv_heads, d)
                     v = _split_heads(_linear(value, self.v_weight, self.v_bias, n_threads),
                                      kv_heads, d)
-            ragged = None
-            if plan is not None:
+            ragged = k_scale = v_scale = None
+            if plan is not None:     # k, v: the cache's storage, in its format
                 k, v = plan.write(k, v)
+                k_scale, v_scale = plan.scales()
                 ragged = plan.kernel_ragged()
             # q, k, v are head views of the projections (or of the cache): BLAS-ready as they are
             # (a ragged batch's padding rows are not computed: zeros, not scratch, go to W_O)
@@ -347,7 +349,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                 weights = alloc((batch, heads, q_len, k.shape[2]), dtype=self.dtype)
             _attend(q, k, v, _split_heads(context, heads, d), attn_mask, key_padding_mask,
                     is_causal, 1.0 / math.sqrt(d), weights, n_threads, self.window, ragged,
-                    self._kv_index)
+                    self._kv_index, k_scale, v_scale)
             if head_mask is not None:     # one pass over the context: (B, L, H, D) * (B, 1, H, 1)
                 heads_view = context.reshape(batch, q_len, heads, d)
                 np.multiply(heads_view, head_mask[:, None, :, None], out=heads_view)

@@ -129,8 +129,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         if positions is not None:
             q, k = _rotate(q, positions, self.rope), _rotate(k, positions, self.rope)
         scale = 1.0 / np.sqrt(self.head_dim)
-        if plan is not None:
-            k, v = plan.write(k, v)
+        if plan is not None:       # attend over the values the cache holds (decoded)
+            plan.write(k, v)
+            k, v = plan.cache.dequantize(plan.k_len)
         if plan is not None and plan.ragged:
             context, weights = _ragged_attention(q, k, v, attn_mask, key_padding_mask, scale,
                                                  self.window, plan, self._kv_index)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import mha_cy
 from mha_cy import reference
 
-from conftest import assert_close
+from conftest import ATOL, RTOL, assert_close
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -48,7 +48,12 @@ def test_sdpa_equals_reference(case):
         out = mha_cy.scaled_dot_product_attention(q, k, v, **kwargs)
     expected = reference.scaled_dot_product_attention(q, k, v, **kwargs)
     assert out.dtype == expected.dtype == dtype
-    assert_close(out, expected, factor=2)
+    # out is a convex combination of v's rows: its rounding error scales with max |v|, not
+    # with max |out|, which cancellation can make tiny (Dv 1, 49 keys: out -4.7e-5, error
+    # 3e-8, found once hypothesis drew seed 2**31 - 1)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, expected, rtol=2 * RTOL[np.dtype(dtype).type],
+                               atol=2 * ATOL[np.dtype(dtype).type] * float(np.abs(v).max()))
 
 
 @st.composite

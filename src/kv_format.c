@@ -1,0 +1,78 @@
+/* float16 / int8 KV cache kernels: see kv_format.h. */
+
+#include <math.h>
+#include <string.h>
+
+#include "attention_tile.h"
+#include "kv_format.h"
+#include "simd_dispatch.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+/* float16 bits -> float32, exact (subnormals, inf and NaN included): the portable conversion
+ * of the baseline level and of the head-dim tails. */
+static inline float mha_half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu, bits;
+    float f;
+    if (em >= 0x7c00u)                      /* inf, NaN (payload kept) */
+        bits = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+    else if (em >= 0x0400u)                 /* normal: rebias the exponent */
+        bits = sign | ((em << 13) + ((uint32_t)(127 - 15) << 23));
+    else {                                  /* subnormal or zero: em * 2**-24, exact */
+        f = (float)em * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#define DRB 4          /* query rows per block of the direct kernel, as attention_microkernel.c */
+#define MHA_KV_NK 64   /* keys per tile of the direct kernel (its scores: DRB x NK floats) */
+#define MHA_IMPL "kv_format_impl.h"
+#define TYPE_SUFFIX f32
+#include "simd_isas.h"
+#undef TYPE_SUFFIX
+
+ptrdiff_t mha_kv_direct_scratch(void) { return DRB * MHA_KV_NK; }
+
+#ifdef MHA_SIMD_DISPATCH
+void mha_kv_attend_direct_f16_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
+                                  const uint16_t *k, ptrdiff_t k_rs, const uint16_t *v,
+                                  ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, ptrdiff_t k_end,
+                                  float scale, const float *add, ptrdiff_t add_rs,
+                                  ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+                                  ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
+                                  float *acc, float *work)
+{
+    MHA_SIMD_CALL(mha_kv_attend_direct_f16_f32, (q, q_rs, rows, d, k, k_rs, v, v_rs, dv,
+                  k_begin, k_end, scale, add, add_rs, add_ks, pad, limit, limit_step, window,
+                  m, l, acc, work))
+}
+void mha_kv_attend_direct_i8_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
+                                 const int8_t *k, ptrdiff_t k_rs, const float *k_scale,
+                                 const int8_t *v, ptrdiff_t v_rs, const float *v_scale, int dv,
+                                 ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
+                                 const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                                 const unsigned char *pad, ptrdiff_t limit,
+                                 ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
+                                 float *acc, float *work)
+{
+    MHA_SIMD_CALL(mha_kv_attend_direct_i8_f32, (q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs,
+                  v_scale, dv, k_begin, k_end, scale, add, add_rs, add_ks, pad, limit,
+                  limit_step, window, m, l, acc, work))
+}
+void mha_kv_load_f16_f32(const uint16_t *src, ptrdiff_t src_rs, int n, int d, float *dst,
+                         ptrdiff_t dst_rs)
+{
+    MHA_SIMD_CALL(mha_kv_load_f16_f32, (src, src_rs, n, d, dst, dst_rs))
+}
+void mha_kv_load_i8_f32(const int8_t *src, ptrdiff_t src_rs, const float *scale, int n, int d,
+                        float *dst, ptrdiff_t dst_rs)
+{
+    MHA_SIMD_CALL(mha_kv_load_i8_f32, (src, src_rs, scale, n, d, dst, dst_rs))
+}
+#endif

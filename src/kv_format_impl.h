@@ -1,0 +1,340 @@
+/* Body of kv_format.c, included once per SIMD level (simd_isas.h); see kv_format.h.
+ * One body for both stored formats: every function takes the format as a compile-time
+ * constant `fmt` and is always_inline, so each exported function is specialized for its
+ * format; the format enters only through how 8 stored values become a vector of floats. */
+
+#define MHA_CAT_(a, b) a##b
+#define MHA_CAT(a, b) MHA_CAT_(a, b)
+#define FN(name) MHA_CAT(name, SUFFIX)
+
+#define W 8            /* lanes of a 256-bit vector of floats */
+#define NK MHA_KV_NK
+#define VEC FN(kvvec_)
+
+typedef float VEC __attribute__((vector_size(W * sizeof(float)), aligned(sizeof(float)),
+                                 may_alias));
+typedef signed char FN(kvbytes_) __attribute__((vector_size(W), aligned(1), may_alias));
+typedef int FN(kvmask_) __attribute__((vector_size(W * sizeof(float))));
+
+/* Stored values i .. i + 7 of `base` as floats (int8: unscaled). */
+static inline __attribute__((always_inline)) VEC FN(kv_load8_)(const int fmt, const void *base,
+                                                                ptrdiff_t i)
+{
+    if (fmt == MHA_KV_F16) {
+#ifdef __F16C__
+        return (VEC)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#else
+        VEC r;
+        for (int t = 0; t < W; t++)
+            r[t] = mha_half_to_float(((const uint16_t *)base)[i + t]);
+        return r;
+#endif
+    }
+#ifdef __AVX2__
+    return (VEC)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)((const signed char *)base + i))));
+#else
+    return __builtin_convertvector(*(const FN(kvbytes_) *)((const signed char *)base + i), VEC);
+#endif
+}
+
+static inline __attribute__((always_inline)) float FN(kv_load1_)(const int fmt,
+                                                                  const void *base, ptrdiff_t i)
+{
+    if (fmt == MHA_KV_F16)
+        return mha_half_to_float(((const uint16_t *)base)[i]);
+    return (float)((const signed char *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void
+FN(kv_load_)(const int fmt, const void *src, ptrdiff_t src_rs, const float *scale, int n, int d,
+             float *dst, ptrdiff_t dst_rs)
+{
+    for (ptrdiff_t j = 0; j < n; j++) {
+        float *o = dst + j * dst_rs;
+        ptrdiff_t p = 0, row = j * src_rs;
+        if (fmt == MHA_KV_I8) {
+            float sj = scale[j];
+            for (; p + W <= d; p += W)
+                *(VEC *)(o + p) = FN(kv_load8_)(fmt, src, row + p) * sj;
+            for (; p < d; p++)
+                o[p] = FN(kv_load1_)(fmt, src, row + p) * sj;
+        } else {
+            for (; p + W <= d; p += W)
+                *(VEC *)(o + p) = FN(kv_load8_)(fmt, src, row + p);
+            for (; p < d; p++)
+                o[p] = FN(kv_load1_)(fmt, src, row + p);
+        }
+    }
+}
+
+void FN(mha_kv_load_f16_)(const uint16_t *src, ptrdiff_t src_rs, int n, int d, float *dst,
+                          ptrdiff_t dst_rs)
+{
+    FN(kv_load_)(MHA_KV_F16, src, src_rs, NULL, n, d, dst, dst_rs);
+}
+
+void FN(mha_kv_load_i8_)(const int8_t *src, ptrdiff_t src_rs, const float *scale, int n, int d,
+                         float *dst, ptrdiff_t dst_rs)
+{
+    FN(kv_load_)(MHA_KV_I8, src, src_rs, scale, n, d, dst, dst_rs);
+}
+
+/* [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
+static inline VEC FN(kv_hadd_)(VEC a, VEC b)
+{
+    return __builtin_shuffle(a, b, (FN(kvmask_)){0, 2, 8, 10, 4, 6, 12, 14})
+         + __builtin_shuffle(a, b, (FN(kvmask_)){1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+/* lane i = sum of the lanes of v[i] */
+static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
+{
+    VEC f = FN(kv_hadd_)(FN(kv_hadd_)(v[0], v[1]), FN(kv_hadd_)(v[2], v[3]));
+    VEC g = FN(kv_hadd_)(FN(kv_hadd_)(v[4], v[5]), FN(kv_hadd_)(v[6], v[7]));
+    return __builtin_shuffle(f, g, (FN(kvmask_)){0, 1, 2, 3, 8, 9, 10, 11})
+         + __builtin_shuffle(f, g, (FN(kvmask_)){4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+static inline void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
+{
+    for (ptrdiff_t e = 0; e < bytes; e += 64)
+        __builtin_prefetch(x + e);
+    __builtin_prefetch(x + bytes - 1);
+}
+
+/* s[i * NK + c] = scale * s_k[c] * (q_i . k_c) for i < R, c < nk: blocks of R rows x KB = W / R
+ * keys, whose W vectors of partial sums one shuffle tree reduces (each K row is loaded, and
+ * converted, once per block of rows). With pf_v: prefetch the tile's V rows and the next
+ * tile's K rows (esz: bytes per stored value). */
+static inline __attribute__((always_inline)) void
+FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d,
+               const void *k, ptrdiff_t k_rs, const float *ks, int nk, float scale, float *s,
+               const void *pf_v, ptrdiff_t v_rs, int dv, int nk_next)
+{
+    const int KB = W / R;
+    const ptrdiff_t esz = fmt == MHA_KV_F16 ? 2 : 1;
+    const ptrdiff_t dvec = (ptrdiff_t)d / W * W;
+    for (ptrdiff_t c = 0; c < nk; c += KB) {
+        ptrdiff_t kr[W];
+        for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
+            kr[u] = (c + u < nk ? c + u : c) * k_rs;
+        if (pf_v != NULL)
+            for (int u = 0; u < KB && c + u < nk; u++) {
+                FN(kv_prefetch_)((const char *)pf_v + (c + u) * v_rs * esz, dv * esz);
+                if (c + u < nk_next)
+                    FN(kv_prefetch_)((const char *)k + (NK + c + u) * k_rs * esz, d * esz);
+            }
+        VEC a[W];
+        for (int i = 0; i < W; i++)
+            a[i] = (VEC){0};
+        for (ptrdiff_t p = 0; p < dvec; p += W) {
+            VEC kv[W];
+            for (int u = 0; u < KB; u++)
+                kv[u] = FN(kv_load8_)(fmt, k, kr[u] + p);
+            for (int i = 0; i < R; i++) {
+                VEC qv = *(const VEC *)(q + i * q_rs + p);
+                for (int u = 0; u < KB; u++)
+                    a[i * KB + u] += qv * kv[u];
+            }
+        }
+        VEC t = FN(kv_reduce_)(a);
+        if (dvec < d)
+            for (int i = 0; i < R; i++)
+                for (int u = 0; u < KB; u++) {
+                    float x = 0;
+                    for (ptrdiff_t p = dvec; p < d; p++)
+                        x += q[i * q_rs + p] * FN(kv_load1_)(fmt, k, kr[u] + p);
+                    t[i * KB + u] += x;
+                }
+        int left = (int)(nk - c < KB ? nk - c : KB);
+        for (int i = 0; i < R; i++)
+            for (int u = 0; u < left; u++)
+                s[i * NK + c + u] = t[i * KB + u]
+                                    * (fmt == MHA_KV_I8 ? scale * ks[c + u] : scale);
+    }
+}
+
+/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e1), never
+ * reading the V of a key whose probability is -0.0 (hidden by a mask, the convention of
+ * attention_tile.h where it has one): the slow path when the fast sums come out non-finite
+ * (a NaN or inf in V, e.g. a float16 overflow), and the last dv % W columns. */
+static void FN(kv_pv_exact_)(const int fmt, int M, const float *s, int nk, const void *v,
+                             ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0, ptrdiff_t e1)
+{
+    for (int i = 0; i < M; i++)
+        for (ptrdiff_t j = 0; j < nk; j++) {
+            float p = s[i * NK + j];
+            if (p == 0 && signbit(p))
+                continue;
+            for (ptrdiff_t e = e0; e < e1; e++)
+                acc[i * dv + e] += p * FN(kv_load1_)(fmt, v, j * v_rs + e);
+        }
+}
+
+/* Whether every lane of the M x n vectors is finite (x - x is NaN for inf and NaN). */
+static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, const VEC *a)
+{
+    VEC bad = (VEC){0};
+    for (int i = 0; i < M; i++)
+        bad += a[i] - a[i];
+    for (int t = 0; t < W; t++)
+        if (bad[t] != 0 || bad[t] != bad[t])
+            return 0;
+    return 1;
+}
+
+/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M and every e: 2 vectors
+ * of columns at a time with the M x 2 sums in registers, each V row converted once; sums
+ * that come out non-finite are redone by kv_pv_exact_ (acc still holds the old ones). */
+static inline __attribute__((always_inline)) void
+FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, ptrdiff_t v_rs,
+           float *acc, int dv)
+{
+    ptrdiff_t e = 0;
+    for (; e + 2 * W <= dv; e += 2 * W) {
+        VEC a0[DRB], a1[DRB];
+        for (int i = 0; i < M; i++) {
+            a0[i] = *(VEC *)(acc + i * dv + e);
+            a1[i] = *(VEC *)(acc + i * dv + e + W);
+        }
+        for (ptrdiff_t j = 0; j < nk; j++) {
+            VEC b0 = FN(kv_load8_)(fmt, v, j * v_rs + e);
+            VEC b1 = FN(kv_load8_)(fmt, v, j * v_rs + e + W);
+            for (int i = 0; i < M; i++) {
+                float p = s[i * NK + j];
+                a0[i] += p * b0;
+                a1[i] += p * b1;
+            }
+        }
+        if (!(FN(kv_finite_)(M, a0) && FN(kv_finite_)(M, a1))) {
+            FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, e + 2 * W);
+            continue;
+        }
+        for (int i = 0; i < M; i++) {
+            *(VEC *)(acc + i * dv + e) = a0[i];
+            *(VEC *)(acc + i * dv + e + W) = a1[i];
+        }
+    }
+    for (; e + W <= dv; e += W) {
+        VEC a0[DRB];
+        for (int i = 0; i < M; i++)
+            a0[i] = *(VEC *)(acc + i * dv + e);
+        for (ptrdiff_t j = 0; j < nk; j++) {
+            VEC b0 = FN(kv_load8_)(fmt, v, j * v_rs + e);
+            for (int i = 0; i < M; i++)
+                a0[i] += s[i * NK + j] * b0;
+        }
+        if (!FN(kv_finite_)(M, a0)) {
+            FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, e + W);
+            continue;
+        }
+        for (int i = 0; i < M; i++)
+            *(VEC *)(acc + i * dv + e) = a0[i];
+    }
+    if (e < dv)
+        FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
+}
+
+/* One block of M rows against the keys [j0, j0 + nk): scores, the masks and online softmax
+ * of attention_tile.c per row (the float32 path's mask and NaN semantics), P V. */
+static inline __attribute__((always_inline)) void
+FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
+              const void *k, ptrdiff_t k_rs, const float *ks, int nk, const void *v,
+              ptrdiff_t v_rs, const float *vs, int dv, ptrdiff_t j0, float scale,
+              const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
+              ptrdiff_t limit, ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
+              float *acc, float *s, int prefetch, int nk_next)
+{
+    const ptrdiff_t esz = fmt == MHA_KV_F16 ? 2 : 1;
+    const char *kt = (const char *)k + j0 * k_rs * esz, *vt = (const char *)v + j0 * v_rs * esz;
+    FN(kv_scores_)(fmt, M, q, q_rs, d, kt, k_rs, ks == NULL ? NULL : ks + j0, nk, scale, s,
+                   prefetch ? vt : NULL, v_rs, dv, nk_next);
+    for (int i = 0; i < M; i++) {
+        ptrdiff_t n_valid = limit + i * limit_step - j0;
+        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
+        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
+        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
+        mha_online_softmax_row_f32(s + i * NK, nk,
+                                   add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                                   pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
+                                   m + i, l + i, acc + i * dv, dv);
+        if (fmt == MHA_KV_I8)       /* fold the value scales into p; a masked key (p = 0)
+                                       stays 0 even when its row held NaN (scale NaN) */
+            for (ptrdiff_t j = 0; j < nk; j++) {
+                float p = s[i * NK + j];
+                s[i * NK + j] = p == 0 ? 0 : p * vs[j0 + j];
+            }
+    }
+    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv);
+}
+
+static inline __attribute__((always_inline)) void
+FN(kv_direct_)(const int fmt, const float *q, ptrdiff_t q_rs, int rows, int d, const void *k,
+               ptrdiff_t k_rs, const float *ks, const void *v, ptrdiff_t v_rs, const float *vs,
+               int dv, ptrdiff_t k_begin, ptrdiff_t k_end, float scale, const float *add,
+               ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+               ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l, float *acc,
+               float *work)
+{
+    float *s = work;
+#define KV_BLOCK(M)                                                                          \
+    FN(kv_block_)(fmt, (M), q + r * q_rs, q_rs, d, k, k_rs, ks, nk, v, v_rs, vs, dv, j0,    \
+                  scale, add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,         \
+                  limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv,   \
+                  s, r == 0, nk_next)
+    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK) {
+        int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
+        ptrdiff_t after = k_end - j0 - nk;
+        int nk_next = (int)(after < NK ? after : NK);
+        for (ptrdiff_t r = 0; r < rows; r += DRB) {
+            int left = (int)(rows - r);
+            /* rows that see no key of the tile, or whose windows all start after it */
+            if (limit + (r + (left < DRB ? left : DRB) - 1) * limit_step <= j0)
+                continue;
+            if (window > 0 && limit + r * limit_step - window >= j0 + nk)
+                continue;
+            switch (left < DRB ? left : DRB) {
+            case 1: KV_BLOCK(1); break;
+            case 2: KV_BLOCK(2); break;
+            case 3: KV_BLOCK(3); break;
+            default: KV_BLOCK(DRB); break;
+            }
+        }
+    }
+#undef KV_BLOCK
+}
+
+void FN(mha_kv_attend_direct_f16_)(const float *q, ptrdiff_t q_rs, int rows, int d,
+                                   const uint16_t *k, ptrdiff_t k_rs, const uint16_t *v,
+                                   ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, ptrdiff_t k_end,
+                                   float scale, const float *add, ptrdiff_t add_rs,
+                                   ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+                                   ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
+                                   float *acc, float *work)
+{
+    FN(kv_direct_)(MHA_KV_F16, q, q_rs, rows, d, k, k_rs, NULL, v, v_rs, NULL, dv, k_begin,
+                   k_end, scale, add, add_rs, add_ks, pad, limit, limit_step, window, m, l, acc,
+                   work);
+}
+
+void FN(mha_kv_attend_direct_i8_)(const float *q, ptrdiff_t q_rs, int rows, int d,
+                                  const int8_t *k, ptrdiff_t k_rs, const float *k_scale,
+                                  const int8_t *v, ptrdiff_t v_rs, const float *v_scale, int dv,
+                                  ptrdiff_t k_begin, ptrdiff_t k_end, float scale,
+                                  const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                                  const unsigned char *pad, ptrdiff_t limit,
+                                  ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
+                                  float *acc, float *work)
+{
+    FN(kv_direct_)(MHA_KV_I8, q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs, v_scale, dv,
+                   k_begin, k_end, scale, add, add_rs, add_ks, pad, limit, limit_step, window,
+                   m, l, acc, work);
+}
+
+#undef VEC
+#undef NK
+#undef W
+#undef FN
+#undef MHA_CAT
+#undef MHA_CAT_
