@@ -132,7 +132,7 @@ def tile_kernel(request):
 # -- differential fuzzing profiles (tests/test_fuzz_differential.py) -----------------------
 # examples per fuzz test, and seconds per fuzz test after which further examples are skipped
 # (CI's time budget: a loaded machine runs fewer examples, never a longer step).
-FUZZ_PROFILES = {"quick": (20, None), "ci": (5000, 120.0), "sanitize": (120, 40.0)}
+FUZZ_PROFILES = {"quick": (20, None), "ci": (5000, 120.0), "sanitize": (2000, 60.0)}
 FUZZ_PROFILE = os.environ.get("MHA_CY_FUZZ_PROFILE", "quick")
 if FUZZ_PROFILE not in FUZZ_PROFILES:
     raise ValueError(f"MHA_CY_FUZZ_PROFILE must be one of {sorted(FUZZ_PROFILES)}; "
