@@ -25,8 +25,8 @@ Tasks address rows generically: row r of a task is (head h0 + r*dh, query i0 + r
 one pointer and one row stride per operand describe both kinds of task to BLAS.
 """
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
-from libc.math cimport INFINITY, exp
+from libc.string cimport memcpy, memset
+from libc.math cimport INFINITY, exp, signbit
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
@@ -296,6 +296,34 @@ cdef inline void _row_finish(const floating *acc, floating l, floating *out,
         mha_finish_row_f64(acc, l, out, <int> dv)
 
 
+cdef bint _all_finite(const floating *x, Py_ssize_t rows, Py_ssize_t n,
+                      Py_ssize_t rs) noexcept nogil:
+    """Whether rows x n values (row stride rs) are all finite."""
+    cdef Py_ssize_t r, j
+    cdef int bad = 0
+    for r in range(rows):
+        for j in range(n):      # (an integer OR: vectorizes, unlike a float reduction)
+            bad |= not (x[r * rs + j] - x[r * rs + j] == 0)    # NaN for inf and NaN
+    return not bad
+
+
+cdef void _pv_exact(const floating *p, Py_ssize_t p_rs, Py_ssize_t rows, Py_ssize_t n,
+                    const floating *v, Py_ssize_t v_rs, floating *acc, Py_ssize_t acc_rs,
+                    Py_ssize_t dv) noexcept nogil:
+    """acc += P V skipping the hidden keys (probability -0.0, src/attention_tile.h): their V
+    is never read, so a NaN or inf there cannot reach a row through 0 * NaN. The slow path of
+    the BLAS P V products, taken only when those come out non-finite."""
+    cdef Py_ssize_t r, j, e
+    cdef floating x
+    for r in range(rows):
+        for j in range(n):
+            x = p[r * p_rs + j]
+            if x == 0 and signbit(x):
+                continue
+            for e in range(dv):
+                acc[r * acc_rs + e] += x * v[j * v_rs + e]
+
+
 cdef inline Py_ssize_t _fused_scratch(const Problem *p, bint fused, floating dummy) noexcept nogil:
     """Elements of the fused kernel's scratch (0 when it does not run)."""
     if not fused:
@@ -345,11 +373,13 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
                        const floating *q, const floating *k, const floating *v, floating *out,
                        const floating *mask, const unsigned char *pad,
                        floating *scores, floating *acc, floating *row_max,
-                       floating *row_sum, bint finish, bint fused) noexcept nogil:
+                       floating *row_sum, bint finish, bint fused,
+                       floating *saved) noexcept nogil:
     """Part t % n_parts of the keys of task t // n_parts, flash style: tiles of block_k keys,
     online softmax, O(tile) memory. scores: rows x block_k (BLAS) or the fused kernel's
     scratch; acc: rows x dv; row_max, row_sum: rows. finish: write the normalized rows to out;
-    else leave acc, row_max and row_sum for _merge_parts. fused: use the fused tile kernel."""
+    else leave acc, row_max and row_sum for _merge_parts. fused: use the fused tile kernel.
+    saved: rows x dv, acc before each BLAS P V (to redo it by _pv_exact if non-finite)."""
     cdef Task task
     _task(p, t // n_parts, &task)
     cdef Py_ssize_t r, j0, nk, part_len
@@ -386,8 +416,15 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
                                 NULL if pad_row == NULL else pad_row + j0,
                                 _n_skip(p, &task, r, j0, nk), _n_valid(p, &task, r, j0, nk),
                                 &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
+        # BLAS would multiply a hidden key's NaN V by its 0: when the sums come out
+        # non-finite (a NaN or inf in V, or in a row that is NaN anyway) redo them exactly.
+        # Costs 2 passes over acc per tile of block_k keys.
+        memcpy(saved, acc, task.rows * p.dv * sizeof(floating))
         _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <floating> 1, scores,
               <int> p.block_k, v0 + j0 * p.vl, <int> p.vl, <floating> 1, acc, <int> p.dv)
+        if not _all_finite(acc, task.rows, p.dv, p.dv):
+            memcpy(acc, saved, task.rows * p.dv * sizeof(floating))
+            _pv_exact(scores, p.block_k, task.rows, nk, v0 + j0 * p.vl, p.vl, acc, p.dv, p.dv)
         j0 += nk
     if finish:
         for r in range(task.rows):
@@ -430,6 +467,12 @@ cdef void _merge_parts(const Problem *p, Py_ssize_t base, Py_ssize_t n_parts,
             o[d] = o[d] / total
 
 
+cdef inline void _plus_zero(floating *x, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t j
+    for j in range(n):
+        x[j] = x[j] + 0     # -0.0 + 0 = +0; anything else unchanged
+
+
 cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
                         const floating *q, const floating *k, const floating *v, floating *out,
                         const floating *mask, const unsigned char *pad,
@@ -465,6 +508,12 @@ cdef void _weights_task(const Problem *p, Py_ssize_t t, floating scale,
                      _n_valid(p, &task, r, kb, n))
     _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> n, <floating> 1, w0,
           <int> w_rs, v0 + kb * p.vl, <int> p.vl, <floating> 0, o0, <int> o_rs)
+    if not _all_finite(o0, task.rows, p.dv, o_rs):      # see _attend_task
+        for r in range(task.rows):
+            memset(o0 + r * o_rs, 0, p.dv * sizeof(floating))
+        _pv_exact(w0, w_rs, task.rows, n, v0 + kb * p.vl, p.vl, o0, o_rs, p.dv)
+    for r in range(task.rows):   # the hidden keys' -0.0 weights become +0
+        _plus_zero(w0 + r * w_rs, n)
 
 
 # ---- K/V stored as float16 or int8 (KV caches of those dtypes) ----------------------------
@@ -490,8 +539,9 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
                               const float *q, float *out, const float *mask,
                               const unsigned char *pad, float *scores, float *conv,
                               float *acc, float *row_max, float *row_sum, bint finish,
-                              bint fused) noexcept nogil:
-    """_attend_task with stored K/V. conv: block_k * (d + dv) floats (one converted tile)."""
+                              bint fused, float *saved) noexcept nogil:
+    """_attend_task with stored K/V. conv: block_k * (d + dv) floats (one converted tile);
+    saved: rows x dv, acc before each BLAS P V (as in _attend_task)."""
     cdef Task task
     _task(p, t // n_parts, &task)
     cdef Py_ssize_t r, j0, nk, part_len
@@ -555,8 +605,12 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
                                     p.mk, NULL if pad_row == NULL else pad_row + j0,
                                     _n_skip(p, &task, r, j0, nk), _n_valid(p, &task, r, j0, nk),
                                     &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
+            memcpy(saved, acc, task.rows * p.dv * sizeof(float))     # see _attend_task
             _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <float> 1, scores,
                   <int> p.block_k, vt, <int> p.dv, <float> 1, acc, <int> p.dv)
+            if not _all_finite(acc, task.rows, p.dv, p.dv):
+                memcpy(acc, saved, task.rows * p.dv * sizeof(float))
+                _pv_exact(scores, p.block_k, task.rows, nk, vt, p.dv, acc, p.dv, p.dv)
         j0 += nk
     if finish:
         for r in range(task.rows):
@@ -610,6 +664,17 @@ cdef void _stored_weights_task(const Problem *p, Py_ssize_t t, float scale, cons
         _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <float> 1, w0 + j0,
               <int> w_rs, conv, <int> p.dv, <float> (0 if j0 == kb else 1), o0, <int> o_rs)
         j0 += nk
+    if not _all_finite(o0, task.rows, p.dv, o_rs):      # see _weights_task: redo exactly
+        for r in range(task.rows):
+            memset(o0 + r * o_rs, 0, p.dv * sizeof(float))
+        j0 = kb
+        while j0 < task.k_end:
+            nk = min(p.block_k, task.k_end - j0)
+            _load_tile(p, p.v_raw, task.v_off, p.vl, vs, j0, nk, p.dv, conv)
+            _pv_exact(w0 + j0, w_rs, task.rows, nk, conv, p.dv, o0, o_rs, p.dv)
+            j0 += nk
+    for r in range(task.rows):   # the hidden keys' -0.0 weights become +0
+        _plus_zero(w0 + r * w_rs + kb, n)
 
 
 cdef inline bint _use_fused(const Problem *p) noexcept nogil:
@@ -888,10 +953,14 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     if p.kv_fmt != 0:       # the direct kernel's scores
         tile_size = max(tile_size, mha_kv_direct_scratch())
     cdef float *conv
+    # and, for the BLAS P V, a copy of acc (see _attend_task)
+    cdef Py_ssize_t saved_size = 0 if fused else max_rows * p.dv
     cdef int *failed_ptr = &failed     # shared; a thread-private copy would be lost
     with nogil, parallel(num_threads=team):
-        # per-thread scratch: one score tile, the accumulators, running max and sum
-        scratch = <floating *> malloc((tile_size + max_rows * (p.dv + 2) + conv_size)
+        # per-thread scratch: one score tile, the accumulators, running max and sum, the
+        # saved accumulators, the converted tiles
+        scratch = <floating *> malloc((tile_size + max_rows * (p.dv + 2) + saved_size
+                                       + conv_size)
                                       * sizeof(floating))
         if scratch == NULL:
             failed_ptr[0] = 1
@@ -900,17 +969,19 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
             if scratch != NULL:
                 acc = scratch + tile_size if n_parts == 1 else parts + t * part_size
                 if p.kv_fmt != 0:
-                    conv = <float *> (scratch + tile_size + max_rows * (p.dv + 2))
+                    conv = <float *> (scratch + tile_size + max_rows * (p.dv + 2) + saved_size)
                     _stored_attend_task(&p, t, n_parts, <float> scale, <const float *> q_ptr,
                                         <float *> o_ptr, <const float *> mask_ptr, pad_ptr,
                                         <float *> scratch, conv, <float *> acc,
                                         <float *> (acc + max_rows * p.dv),
                                         <float *> (acc + max_rows * (p.dv + 1)), n_parts == 1,
-                                        fused)
+                                        fused,
+                                        <float *> (scratch + tile_size + max_rows * (p.dv + 2)))
                 else:
                     _attend_task(&p, t, n_parts, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
                                  pad_ptr, scratch, acc, acc + max_rows * p.dv,
-                                 acc + max_rows * (p.dv + 1), n_parts == 1, fused)
+                                 acc + max_rows * (p.dv + 1), n_parts == 1, fused,
+                                 scratch + tile_size + max_rows * (p.dv + 2))
         free(scratch)
     if n_parts > 1:
         if not failed:

@@ -30,13 +30,15 @@ def _blas_operand(x):
     """A (B, H, L, D) view as the kernel needs it: last axis contiguous, non-negative strides
     and rows (and heads) at least D and at most 2**31 - 1 elements apart, as BLAS leading
     dimensions must be (a larger stride would be truncated to 32 bits: wrong rows, silently).
-    Views of a projection or a cache already are; anything else is copied."""
+    Views of a projection or a cache already are; anything else is copied (also a view whose
+    address is not a multiple of the item size: the C kernels' loads assume aligned REALs,
+    and an unaligned load is undefined behaviour)."""
     item, d = x.itemsize, x.shape[3]
     s = x.strides
-    ok = (s[3] == item and all(st >= 0 and st % item == 0 for st in s)
+    ok = (x.flags.aligned and s[3] == item and all(st >= 0 and st % item == 0 for st in s)
           and (x.shape[2] <= 1 or d * item <= s[2] <= _INT_MAX * item)
           and (x.shape[1] <= 1 or d * item <= s[1] <= _INT_MAX * item))
-    return x if ok else np.ascontiguousarray(x)
+    return x if ok else np.array(x, order="C")    # a copy (ascontiguousarray keeps unaligned)
 
 
 def _check_32_bit_sizes(q, k, weights):
@@ -57,6 +59,8 @@ def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
     if attn_mask is not None:
         if attn_mask.dtype == np.bool_:
             attn_mask = np.where(attn_mask, dtype.type(0), dtype.type(-np.inf))
+        if not attn_mask.flags.aligned:           # the row functions read it as REAL *
+            attn_mask = attn_mask.copy()
         add = np.broadcast_to(attn_mask, shape)
     pad = None
     if key_padding_mask is not None:
@@ -140,8 +144,9 @@ def _linear(x, weight, bias, n_threads):
     """(B, L, in) @ weight.T + bias -> (B, L, out), on the threads of the linear kernel."""
     batch, length, width = x.shape
     out = np.empty((batch * length, weight.shape[0]), dtype=x.dtype)
-    _linear_kernel.linear(np.ascontiguousarray(x).reshape(batch * length, width), weight, bias,
-                          out, n_threads)
+    if not (x.flags.c_contiguous and x.flags.aligned):   # unaligned REAL * loads are UB in C
+        x = np.array(x, order="C")
+    _linear_kernel.linear(x.reshape(batch * length, width), weight, bias, out, n_threads)
     return out.reshape(batch, length, -1)
 
 

@@ -25,11 +25,16 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=No
     is_causal): and only keys j > i + Lk - Lq - window. kv_index: None (query head h reads
     K/V head h // (Hq / Hkv)) or the K/V head of each query head.
 
-    Which keys a row sees is decided by the masks alone: a key is masked by a False in a
-    bool mask, by padding, by causality, or by -inf in an additive mask, and a masked key's
-    score is never looked at. A row whose keys are all masked (or with no keys) gives
-    zeros, in the output and the weights. In any other row a NaN or +inf that reaches the
-    scores (from q, k, the scale or an additive mask) makes the whole row NaN, as in torch.
+    A key is hidden from a row when a mask hides it (a False in a bool mask, padding,
+    causality, the window, or -inf in an additive mask: then its score is never looked at,
+    whatever q, k or the mask's other terms hold), or when its score is -inf from the data
+    (q . k overflowing to -inf). A hidden key has no effect at all: weight 0, and its value
+    is never read (0 * NaN would be NaN). A row whose keys are all hidden (or with no keys)
+    gives zeros, in the output and the weights; so a row of -inf scores gives zeros, where
+    torch gives NaN (the kernels cannot tell a -inf from the data from a mask's). In any
+    other row a NaN or +inf that reaches the scores (from q, k, the scale or an additive
+    mask) makes the whole row NaN, as in torch; and a visible key's value is multiplied by
+    its weight even when that underflowed to 0 (so a NaN there makes that output NaN).
     """
     if kv_index is None:
         kv_index = np.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
@@ -52,8 +57,9 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=No
         allowed &= np.arange(k_len)[None, :] <= query_pos
         if window is not None:
             allowed &= np.arange(k_len)[None, :] > query_pos - window
-    fully_masked = ~allowed.any(axis=-1, keepdims=True)
     scores = np.where(allowed, scores, -np.inf)
+    visible = (scores > -np.inf) | np.isnan(scores)
+    fully_masked = ~visible.any(axis=-1, keepdims=True)
 
     # An ordinary softmax: a NaN or +inf row maximum turns the row into NaN by itself
     # (NaN - NaN, inf - inf); fully masked rows get a harmless maximum and total instead.
@@ -61,9 +67,28 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=No
         row_max = np.where(fully_masked, 0, scores.max(axis=-1, keepdims=True, initial=-np.inf))
         e = np.exp(scores - row_max)
         total = np.where(fully_masked, 1, e.sum(axis=-1, keepdims=True))
-        weights = e / total
-        out = np.where(fully_masked, 0, weights @ v)   # zeros even if v holds NaN or inf
+        weights = np.where(visible, e / total, 0)     # 0 at hidden keys, even in a NaN row
+        out = np.where(fully_masked, 0, _weighted_values(weights, visible, v))
     return out, weights
+
+
+def _weighted_values(weights, visible, v):
+    """weights @ v, reading v only at the visible keys (where visible): the finite values by
+    a product, and each non-finite entry as IEEE multiplies it by its weight (w * inf = inf
+    for w > 0, NaN for w = 0; a NaN stays NaN; +inf and -inf together give NaN)."""
+    bad = ~np.isfinite(v)
+    out = weights @ np.where(bad, 0, v)
+    if not bad.any():
+        return out
+
+    def any_key(rows, cols):        # [..., i, d]: some key j with rows[i, j] and cols[j, d]
+        return (rows.astype(v.dtype) @ cols.astype(v.dtype)) > 0
+
+    positive = visible & (weights > 0)
+    nan = any_key(visible, np.isnan(v)) | any_key(visible & (weights == 0), np.isinf(v))
+    plus, minus = any_key(positive, v == np.inf), any_key(positive, v == -np.inf)
+    return np.where(nan | (plus & minus), np.nan,
+                    np.where(plus, out + np.inf, np.where(minus, out - np.inf, out)))
 
 
 def _rotate(x, positions, rope):

@@ -15,6 +15,7 @@
 #define VEC FN(vec_)
 
 #define W (VL / 2)     /* lanes of a 256-bit vector: a block's sums are 2 vectors per row */
+#define LANES_CHECK VL
 
 /* 256 bits, the widest vector gcc lowers well at every level (512-bit ones went through the
  * integer registers on AVX2); unaligned, and allowed to alias REAL */
@@ -73,10 +74,31 @@ FN(scores_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
     }
 }
 
-/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e0 + VL). */
+/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e1), skipping
+ * the hidden keys (probability -0.0, attention_tile.h): their V is never read. The slow path
+ * of pv_cols_, and the last dv % VL columns. */
+static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
+                          REAL *acc, int dv, ptrdiff_t e0, ptrdiff_t e1)
+{
+    for (int i = 0; i < M; i++)
+        for (ptrdiff_t j = 0; j < nk; j++) {
+            REAL p = s[i * NK + j];
+            if (p == 0 && signbit(p))
+                continue;
+            for (ptrdiff_t e = e0; e < e1; e++)
+                acc[i * dv + e] += p * v[j * v_rs + e];
+        }
+}
+
+/* The same for e in [e0, e0 + VL), in registers over every key (V finite: a hidden key's
+ * -0.0 adds nothing). check: unless the sums come out finite (x * 0 is NaN just for an inf or
+ * NaN x: a NaN or inf in V, maybe at a hidden key), redo the columns by pv_exact_ from acc,
+ * still unchanged. The direct kernel checks so (2 M vector operations per nk keys; checking
+ * its V tile first would cost as much as its P V of 1-4 rows); the packed kernel checks each
+ * V tile once for all its row blocks instead (this check cost it 10-20%: registers). */
 static inline __attribute__((always_inline)) void
 FN(pv_cols_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
-             int dv, ptrdiff_t e0)
+             int dv, ptrdiff_t e0, const int check)
 {
     VEC a0[RB], a1[RB];
     for (int i = 0; i < M; i++) {
@@ -84,31 +106,37 @@ FN(pv_cols_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, 
         a1[i] = *(VEC *)(acc + i * dv + e0 + W);
     }
     FN(outer_block_)(M, s, NK, v + e0, v_rs, nk, a0, a1);
+    VEC bad = (VEC){0};
+    int non_finite = 0;
+    if (check) {
+        for (int i = 0; i < M; i++)
+            bad += a0[i] * 0 + a1[i] * 0;
+        for (int u = 0; u < W; u++)
+            non_finite |= bad[u] != bad[u];
+    }
+    if (__builtin_expect(non_finite, 0)) {
+        FN(pv_exact_)(M, s, nk, v, v_rs, acc, dv, e0, e0 + VL);
+        return;
+    }
     for (int i = 0; i < M; i++) {
         *(VEC *)(acc + i * dv + e0) = a0[i];
         *(VEC *)(acc + i * dv + e0 + W) = a1[i];
     }
 }
 
-/* The same for the last dv % VL columns, e in [e0, dv). */
-static inline void FN(pv_tail_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
-                                REAL *acc, int dv, ptrdiff_t e0)
-{
-    for (int i = 0; i < M; i++)
-        for (ptrdiff_t j = 0; j < nk; j++)
-            for (ptrdiff_t e = e0; e < dv; e++)
-                acc[i * dv + e] += s[i * NK + j] * v[j * v_rs + e];
-}
-
 /* What every block does once its M rows of scores for keys [j0, j0 + nk) are in s: per row
  * the masks and the online softmax (attention_tile.c: the same mask and NaN semantics as the
- * BLAS path), then acc += P V over the tile's rows of V. */
+ * BLAS path), then acc += P V over the tile's rows of V, never reading V at a hidden key.
+ * pv: PV_CHECK (see pv_cols_), PV_FINITE (the caller found the V tile finite), PV_EXACT. */
+#define PV_CHECK 0
+#define PV_FINITE 1
+#define PV_EXACT 2
 static inline __attribute__((always_inline)) void
 FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, int dv,
                     ptrdiff_t j0, const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                     const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
                     ptrdiff_t window,
-                    REAL *m, REAL *l, REAL *acc)
+                    REAL *m, REAL *l, REAL *acc, const int pv)
 {
     for (int i = 0; i < M; i++) {
         ptrdiff_t n_valid = limit + i * limit_step - j0;
@@ -121,10 +149,29 @@ FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
     }
     const REAL *vt = v + j0 * v_rs;
     ptrdiff_t e = 0;
-    for (; e + VL <= dv; e += VL)
-        FN(pv_cols_)(M, s, nk, vt, v_rs, acc, dv, e);
+    for (; pv != PV_EXACT && e + VL <= dv; e += VL)
+        FN(pv_cols_)(M, s, nk, vt, v_rs, acc, dv, e, pv == PV_CHECK);
     if (e < dv)
-        FN(pv_tail_)(M, s, nk, vt, v_rs, acc, dv, e);
+        FN(pv_exact_)(M, s, nk, vt, v_rs, acc, dv, e, dv);
+}
+
+/* Whether the nk rows of dv values at v (row stride v_rs) are all finite: once per tile of
+ * the packed kernel, for all its row blocks. */
+static int FN(all_finite_)(const REAL *v, ptrdiff_t v_rs, int nk, int dv)
+{
+    REAL bad[LANES_CHECK] = {0};
+    for (ptrdiff_t j = 0; j < nk; j++) {
+        ptrdiff_t e = 0;
+        for (; e + LANES_CHECK <= dv; e += LANES_CHECK)
+            for (int u = 0; u < LANES_CHECK; u++)
+                bad[u] += v[j * v_rs + e + u] * 0;      /* NaN for an inf or NaN only */
+        for (; e < dv; e++)
+            bad[0] += v[j * v_rs + e] * 0;
+    }
+    int non_finite = 0;
+    for (int u = 0; u < LANES_CHECK; u++)
+        non_finite |= bad[u] != bad[u];
+    return !non_finite;
 }
 
 /* One block of M rows against the packed tile of keys [j0, j0 + nk). */
@@ -133,17 +180,17 @@ FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, in
            const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0, REAL scale,
            const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
            ptrdiff_t limit, ptrdiff_t limit_step,
-           ptrdiff_t window, REAL *m, REAL *l, REAL *acc, REAL *s)
+           ptrdiff_t window, REAL *m, REAL *l, REAL *acc, REAL *s, int pv)
 {
     FN(scores_block_)(M, q, q_rs, d, kt, nkp, scale, s);
     FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
-                        limit_step, window, m, l, acc);
+                        limit_step, window, m, l, acc, pv);
 }
 
 #define BLOCK(M)                                                                             \
     FN(block_)((M), q + r * q_rs, q_rs, d, kt, nk, nkp, v, v_rs, dv, j0, scale,             \
                add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,                   \
-               limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv, s)
+               limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv, s, pv)
 
 void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
                            const REAL *k, ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs, int dv,
@@ -158,6 +205,7 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
         int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
         int nkp = (nk + VL - 1) / VL * VL;
         FN(pack_keys_)(k + j0 * k_rs, k_rs, d, nk, nkp, kt);
+        int pv = FN(all_finite_)(v + j0 * v_rs, v_rs, nk, dv) ? PV_FINITE : PV_EXACT;
         for (ptrdiff_t r = 0; r < rows; r += RB) {
             int left = (int)(rows - r);
             /* rows that see no key of the tile (above the causal diagonal) are left as they
@@ -291,7 +339,7 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
     FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
                        prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
     FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
-                        limit_step, window, m, l, acc);
+                        limit_step, window, m, l, acc, PV_CHECK);
 }
 
 #define DBLOCK(M)                                                                            \
@@ -334,6 +382,10 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 #undef DBLOCK
 #undef VEC
 #undef W
+#undef LANES_CHECK
+#undef PV_CHECK
+#undef PV_FINITE
+#undef PV_EXACT
 #undef NK
 #undef FN
 #undef MHA_CAT

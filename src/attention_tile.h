@@ -11,7 +11,13 @@
  *   pad              key padding flags of the tile's keys (NULL: none); nonzero = ignore key j
  *   n_skip           keys j < n_skip are masked (the sliding window's start; 0 without one)
  *   n_valid          keys j >= n_valid are masked (the causal limit; n when not causal)
- * A masked key gets probability exactly 0. A row whose keys are all masked gives zeros. */
+ * A masked key gets probability exactly 0. A row whose keys are all masked gives zeros.
+ * A key is hidden when its score is -inf once the masks are applied (masked, or -inf from the
+ * data, so a row of -inf scores counts as fully masked); an additive -inf hides the key
+ * whatever its score. A hidden key's probability is -0.0, not +0: the P V products that
+ * follow must skip such keys, or a NaN or inf in V at a hidden key would reach the row
+ * (0 * NaN = NaN); a visible key's V is always multiplied, even by a probability that
+ * underflowed to +0. */
 #ifndef MHA_ATTENTION_TILE_H
 #define MHA_ATTENTION_TILE_H
 
@@ -22,7 +28,7 @@ extern "C" {
 #endif
 
 /* Online-softmax update of one row against one key tile.
- * s[0:n] (in) scaled scores, (out) p_j = exp(s_j - m_new), 0 where masked.
+ * s[0:n] (in) scaled scores, (out) p_j = exp(s_j - m_new), -0.0 where hidden.
  * *m, *l  the row's running max and running sum of exp(s - m) over the keys seen so far;
  *         start them at -inf and 0.
  * acc[0:dv] the row's output accumulator (sum of p_j v_j), rescaled here by exp(m_old - m_new)
@@ -34,7 +40,8 @@ void mha_online_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t a
                                 const unsigned char *pad, int n_skip, int n_valid,
                                 double *m, double *l, double *acc, int dv);
 
-/* Exact softmax of one whole row in place: s[0:n] becomes the attention weights. */
+/* Exact softmax of one whole row in place: s[0:n] becomes the attention weights (-0.0 at
+ * hidden keys, as above). */
 void mha_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride,
                          const unsigned char *pad, int n_skip, int n_valid);
 void mha_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,

@@ -22,13 +22,13 @@
 static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
                                      const unsigned char *pad, int n_skip, int n_valid)
 {
-    if (add != NULL) {
+    if (add != NULL) {  /* -inf hides the key whatever its score (NaN or +inf - inf: NaN) */
         if (add_stride == 1)
             for (ptrdiff_t j = 0; j < n; j++)
-                s[j] += add[j];
+                s[j] = add[j] == -INFINITY ? -INFINITY : s[j] + add[j];
         else
             for (ptrdiff_t j = 0; j < n; j++)
-                s[j] += add[j * add_stride];
+                s[j] = add[j * add_stride] == -INFINITY ? -INFINITY : s[j] + add[j * add_stride];
     }
     if (n_valid < n)
         for (ptrdiff_t j = (n_valid > 0 ? n_valid : 0); j < n; j++)
@@ -48,20 +48,24 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
     return nan_seen ? (REAL)NAN : mx;
 }
 
-/* Pass 2: s_j <- exp(s_j - mx) (0 for -inf); return the sum. */
+/* Pass 2: s_j <- exp(s_j - mx), and -0.0 for a hidden key (s_j = -inf: masked, or -inf
+ * from the data); return the sum. The sign marks the keys whose V the P V products must not
+ * read (attention_tile.h). */
 static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
 {
     REAL part[LANES] = {0};
     ptrdiff_t j = 0;
     for (; j + LANES <= n; j += LANES)
         for (ptrdiff_t u = 0; u < LANES; u++) {
-            REAL p = EXP(s[j + u] - mx);
+            REAL x = s[j + u], p = EXP(x - mx);
+            p = x > -INFINITY ? p : -p;     /* (this form vectorizes; p = +0 at -inf) */
             s[j + u] = p;
             part[u] += p;
         }
     REAL sum = 0;
     for (; j < n; j++) {
-        s[j] = EXP(s[j] - mx);
+        REAL p = EXP(s[j] - mx);
+        s[j] = s[j] > -INFINITY ? p : -p;
         sum += s[j];
     }
     for (ptrdiff_t u = 0; u < LANES; u++)
@@ -79,7 +83,7 @@ void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_
     REAL m_new = tile_max > m_old || tile_max != tile_max ? tile_max : m_old;
     if (m_new == -INFINITY) {           /* nothing visible yet: keep m = -inf, l = 0, acc = 0 */
         for (ptrdiff_t j = 0; j < n; j++)
-            s[j] = 0;
+            s[j] = (REAL)-0.0;              /* every key hidden */
         return;
     }
     REAL sum = FN(exp_and_sum_)(s, n, m_new);
@@ -100,10 +104,21 @@ void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
     REAL mx = FN(mask_and_max_)(s, n, add, add_stride, pad, n_skip, n_valid);
     if (mx == -INFINITY) {               /* all keys masked: weights of zeros, not NaN */
         for (ptrdiff_t j = 0; j < n; j++)
-            s[j] = 0;
+            s[j] = (REAL)-0.0;               /* (hidden: the caller makes them +0) */
         return;
     }
-    REAL inv = 1 / FN(exp_and_sum_)(s, n, mx);
+    if (mx != mx) {     /* a NaN row: NaN weights at the keys it sees, 0 at hidden ones */
+        for (ptrdiff_t j = 0; j < n; j++)
+            s[j] = s[j] == -INFINITY ? 0 : (REAL)NAN;
+        return;
+    }
+    REAL sum = FN(exp_and_sum_)(s, n, mx);
+    if (sum != sum) {   /* the same for a row of NaN from +inf scores (exp(inf - inf)) */
+        for (ptrdiff_t j = 0; j < n; j++)
+            s[j] = s[j] == 0 && signbit(s[j]) ? 0 : (REAL)NAN;
+        return;
+    }
+    REAL inv = 1 / sum;
     for (ptrdiff_t j = 0; j < n; j++)
         s[j] *= inv;
 }

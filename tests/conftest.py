@@ -7,11 +7,18 @@
   (random non-zero biases included, so that every bias is exercised).
 - ``random_bool_mask`` / ``random_float_mask``: masks in any (broadcastable) shape.
 - ``rng``: a seeded generator, a different but fixed seed per test.
+- ``fuzz_settings`` / ``fuzz_budget``: the hypothesis profile of the differential fuzz tests
+  (MHA_CY_FUZZ_PROFILE = quick (default), ci or sanitize) and its time budget.
 """
+import contextlib
+import json
+import os
+import time
 import zlib
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import mha_cy
 from mha_cy import _attention_kernel, reference
@@ -120,3 +127,57 @@ def tile_kernel(request):
     previous = _attention_kernel._set_tile_kernel(request.param)
     yield request.param
     _attention_kernel._set_tile_kernel(previous)
+
+
+# -- differential fuzzing profiles (tests/test_fuzz_differential.py) -----------------------
+# examples per fuzz test, and seconds per fuzz test after which further examples are skipped
+# (CI's time budget: a loaded machine runs fewer examples, never a longer step).
+FUZZ_PROFILES = {"quick": (20, None), "ci": (5000, 120.0), "sanitize": (2000, 60.0)}
+FUZZ_PROFILE = os.environ.get("MHA_CY_FUZZ_PROFILE", "quick")
+if FUZZ_PROFILE not in FUZZ_PROFILES:
+    raise ValueError(f"MHA_CY_FUZZ_PROFILE must be one of {sorted(FUZZ_PROFILES)}; "
+                     f"got {FUZZ_PROFILE!r}")
+for _name, (_examples, _budget) in FUZZ_PROFILES.items():
+    # derandomized in the normal suite (the same examples every run); CI draws new ones
+    settings.register_profile(
+        f"mha_cy_fuzz_{_name}", max_examples=_examples, deadline=None,
+        derandomize=_name == "quick", database=None, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                               HealthCheck.filter_too_much])
+_FUZZ_TRIED = {}    # test name -> [run, skipped past the budget, seconds, start, failed]
+
+
+def fuzz_settings():
+    return settings(settings.get_profile(f"mha_cy_fuzz_{FUZZ_PROFILE}"))
+
+
+@contextlib.contextmanager
+def fuzz_budget(name):
+    """``with fuzz_budget(name) as go: if go: run(example)``: go is False once the profile's
+    time budget for this test is spent; the counts go to MHA_CY_FUZZ_REPORT at the end."""
+    tried = _FUZZ_TRIED.setdefault(name, [0, 0, 0.0, time.monotonic(), False])
+    budget = FUZZ_PROFILES[FUZZ_PROFILE][1]
+    # after a failure every example runs again: hypothesis must be able to shrink it
+    if budget is not None and not tried[4] and time.monotonic() - tried[3] > budget:
+        tried[1] += 1
+        yield False
+        return
+    start = time.monotonic()
+    try:
+        yield True
+    except BaseException:
+        tried[4] = True
+        raise
+    finally:
+        tried[0] += 1
+        tried[2] += time.monotonic() - start
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("MHA_CY_FUZZ_REPORT")
+    if path and _FUZZ_TRIED:
+        report = {name: {"examples_run": n, "skipped_past_budget": skipped,
+                         "seconds_in_examples": round(sec, 1)}
+                  for name, (n, skipped, sec, _, _) in _FUZZ_TRIED.items()}
+        with open(path, "w") as f:
+            json.dump({"profile": FUZZ_PROFILE, "tests": report}, f, indent=1)

@@ -513,3 +513,23 @@ def test_ragged_split_k(rng, fmt, window):
         o_b, _ = reference._attention(q[b:b + 1], kf[b:b + 1, :, :n], vf[b:b + 1, :, :n], None,
                                       None, True, 0.125, window)
         assert_close(results[0][b:b + 1], o_b, np.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, np.float16, "int8"])
+@pytest.mark.parametrize("kernel", ["auto", "blas"])
+def test_a_nan_key_outside_the_window_never_reaches_a_row(rng, cache_dtype, kernel):
+    """A token whose K/V are NaN (in any storage format) and that the window hides: decode
+    steps and prefills over the cache stay finite, on the fused and on the BLAS tile path."""
+    from mha_cy import _attention_kernel
+    previous = _attention_kernel._set_tile_kernel(kernel)
+    try:
+        mha = mha_cy.MultiHeadAttention(64, 4, num_kv_heads=2, window=4, seed=0)
+        cache = mha.new_cache(2, 40, dtype=cache_dtype)
+        x = rng.standard_normal((2, 10, 64)).astype(np.float32)
+        x[0, 1] = np.nan
+        mha(x, cache=cache)
+        step = mha(rng.standard_normal((2, 1, 64)).astype(np.float32), cache=cache)
+        prefill = mha(rng.standard_normal((2, 12, 64)).astype(np.float32), cache=cache)
+        assert np.isfinite(step).all() and np.isfinite(prefill).all()
+    finally:
+        _attention_kernel._set_tile_kernel(previous)

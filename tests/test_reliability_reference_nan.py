@@ -108,11 +108,17 @@ def test_score_overflow_to_plus_inf_makes_the_row_nan():
     assert np.isnan(out).all() and np.isnan(w).all()
 
 
-def test_scores_all_minus_inf_from_data_are_not_masking():
-    # Not masked by any mask: -inf scores from the data give NaN (as torch), not zeros.
+def test_scores_all_minus_inf_from_data_give_a_fully_masked_row():
+    # A -inf score hides its key whatever made it (the kernels cannot tell a mask's -inf
+    # from the data's, tile by tile): zeros, where torch gives NaN; its value is never read.
     big = 1e200
-    out, _ = _attention([[big, 0.0]], [[-big, 0.0], [-big, 0.0]], V[:2])
-    assert np.isnan(out).all()
+    v = np.array(V[:2])
+    v[0, 0] = nan
+    out, w = _attention([[big, 0.0]], [[-big, 0.0], [-big, 0.0]], v)
+    assert (out == 0).all() and (w == 0).all()
+    out, w = _attention([[big, 0.0]], [[-big, 0.0], [0.0, 1.0]], v)
+    np.testing.assert_array_equal(out, [V[1]])
+    np.testing.assert_array_equal(w, [[0, 1]])
 
 
 def test_fully_masked_row_is_zeros_whatever_the_data():
