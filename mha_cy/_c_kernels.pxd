@@ -38,3 +38,54 @@ cdef extern from "rope.h" nogil:
     void mha_rope_rotate_f64(double *x, Py_ssize_t rows, Py_ssize_t row_stride,
                              Py_ssize_t heads, Py_ssize_t head_stride, const double *cos,
                              const double *sin, Py_ssize_t half, int interleaved)
+
+cdef extern from "attention_tile.h" nogil:
+    void mha_online_softmax_row_f32(float *s, int n, const float *add, Py_ssize_t add_stride,
+                                    const unsigned char *pad, int n_skip, int n_valid,
+                                    float *m, float *l, float *acc, int dv)
+    void mha_online_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
+                                    const unsigned char *pad, int n_skip, int n_valid,
+                                    double *m, double *l, double *acc, int dv)
+    void mha_softmax_row_f32(float *s, int n, const float *add, Py_ssize_t add_stride,
+                             const unsigned char *pad, int n_skip, int n_valid)
+    void mha_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
+                             const unsigned char *pad, int n_skip, int n_valid)
+    void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
+    void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
+
+cdef extern from "attention_microkernel.h" nogil:
+    int MHA_FUSED_MAX_HEAD_DIM
+    Py_ssize_t mha_fused_scratch_f32(int d)
+    Py_ssize_t mha_fused_scratch_f64(int d)
+    void mha_fused_attend_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                              const float *k, Py_ssize_t k_rs, const float *v, Py_ssize_t v_rs,
+                              int dv, Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
+                              const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
+                              const unsigned char *pad, Py_ssize_t limit, Py_ssize_t limit_step,
+                              Py_ssize_t window,
+                              float *m, float *l, float *acc, float *work)
+    void mha_fused_attend_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
+                              const double *k, Py_ssize_t k_rs, const double *v,
+                              Py_ssize_t v_rs, int dv, Py_ssize_t k_begin, Py_ssize_t k_end,
+                              double scale, const double *add, Py_ssize_t add_rs,
+                              Py_ssize_t add_ks, const unsigned char *pad, Py_ssize_t limit,
+                              Py_ssize_t limit_step, Py_ssize_t window, double *m, double *l,
+                              double *acc, double *work)
+    int MHA_FUSED_DIRECT_MAX_ROWS
+    int MHA_FUSED_DIRECT_MIN_HEAD_DIM
+    void mha_fused_attend_direct_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
+                                     const float *k, Py_ssize_t k_rs, const float *v,
+                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
+                                     Py_ssize_t k_end, float scale, const float *add,
+                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
+                                     float *l, float *acc, float *work)
+    void mha_fused_attend_direct_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
+                                     const double *k, Py_ssize_t k_rs, const double *v,
+                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
+                                     Py_ssize_t k_end, double scale, const double *add,
+                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
+                                     const unsigned char *pad, Py_ssize_t limit,
+                                     Py_ssize_t limit_step, Py_ssize_t window, double *m,
+                                     double *l, double *acc, double *work)

@@ -35,49 +35,14 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_row_panels_size_f32, mha_row_panels_size_f64,
                           mha_pack_row_panels_f32, mha_pack_row_panels_f64,
                           mha_row_panel_gemm_f32, mha_row_panel_gemm_f64, mha_rope_table_f32,
-                          mha_rope_table_f64, mha_rope_rotate_f32, mha_rope_rotate_f64)
+                          mha_rope_table_f64, mha_rope_rotate_f32, mha_rope_rotate_f64,
+                          mha_finish_row_f32, mha_finish_row_f64, MHA_FUSED_MAX_HEAD_DIM,
+                          MHA_FUSED_DIRECT_MAX_ROWS, MHA_FUSED_DIRECT_MIN_HEAD_DIM,
+                          mha_fused_scratch_f32, mha_fused_scratch_f64, mha_fused_attend_f32,
+                          mha_fused_attend_f64, mha_fused_attend_direct_f32,
+                          mha_fused_attend_direct_f64)
 
 cnp.import_array()
-
-cdef extern from "attention_tile.h" nogil:
-    void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
-    void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
-
-cdef extern from "attention_microkernel.h" nogil:
-    enum: MHA_FUSED_MAX_HEAD_DIM
-    enum: MHA_FUSED_DIRECT_MAX_ROWS
-    enum: MHA_FUSED_DIRECT_MIN_HEAD_DIM
-    Py_ssize_t mha_fused_scratch_f32(int d)
-    Py_ssize_t mha_fused_scratch_f64(int d)
-    void mha_fused_attend_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
-                              const float *k, Py_ssize_t k_rs, const float *v, Py_ssize_t v_rs,
-                              int dv, Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
-                              const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
-                              const unsigned char *pad, Py_ssize_t limit, Py_ssize_t limit_step,
-                              Py_ssize_t window, float *m, float *l, float *acc, float *work)
-    void mha_fused_attend_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
-                              const double *k, Py_ssize_t k_rs, const double *v,
-                              Py_ssize_t v_rs, int dv, Py_ssize_t k_begin, Py_ssize_t k_end,
-                              double scale, const double *add, Py_ssize_t add_rs,
-                              Py_ssize_t add_ks, const unsigned char *pad, Py_ssize_t limit,
-                              Py_ssize_t limit_step, Py_ssize_t window, double *m, double *l,
-                              double *acc, double *work)
-    void mha_fused_attend_direct_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
-                                     const float *k, Py_ssize_t k_rs, const float *v,
-                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
-                                     Py_ssize_t k_end, float scale, const float *add,
-                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
-                                     const unsigned char *pad, Py_ssize_t limit,
-                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
-                                     float *l, float *acc, float *work)
-    void mha_fused_attend_direct_f64(const double *q, Py_ssize_t q_rs, int rows, int d,
-                                     const double *k, Py_ssize_t k_rs, const double *v,
-                                     Py_ssize_t v_rs, int dv, Py_ssize_t k_begin,
-                                     Py_ssize_t k_end, double scale, const double *add,
-                                     Py_ssize_t add_rs, Py_ssize_t add_ks,
-                                     const unsigned char *pad, Py_ssize_t limit,
-                                     Py_ssize_t limit_step, Py_ssize_t window, double *m,
-                                     double *l, double *acc, double *work)
 
 # _attention_kernel's rules for this shape (keep in step with it: the tests compare the two):
 # keys per tile and tasks below which it splits the keys; work from which it uses threads.
