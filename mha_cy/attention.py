@@ -134,10 +134,15 @@ def _plain_sdpa_operands(q, k, v):
             and q.ndim == 4 and k.ndim == 4 and v.ndim == 4):
         return False
     (b, hq, lq, d), (bk, hkv, lk, dk), (bv, hv, lv, dv) = q.shape, k.shape, v.shape
+    item = q.itemsize
+    # C-contiguous is not enough: NumPy flags an axis of length 1 contiguous whatever its
+    # stride (a broadcast view's is 0), and the rows' strides are BLAS leading dimensions
     return (b == bk == bv and d == dk and hkv == hv and lk == lv and hkv > 0 and hq % hkv == 0
             and 0 not in (b, hq, lq, d, lk, dv) and lk <= _INT_MAX
             and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
-            and q.flags.aligned and k.flags.aligned and v.flags.aligned)
+            and q.flags.aligned and k.flags.aligned and v.flags.aligned
+            and q.strides[2] == d * item and k.strides[2] == d * item
+            and v.strides[2] == dv * item)
 
 
 def _linear(x, weight, bias, n_threads):

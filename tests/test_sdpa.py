@@ -271,3 +271,26 @@ def test_the_common_call_still_checks_what_it_does_not_take(rng):
     with pytest.raises(ValueError, match="length"):
         mha_cy.scaled_dot_product_attention(q, k, k[:, :, :4])
     assert (mha_cy.scaled_dot_product_attention(q, k[:, :, :0], k[:, :, :0]) == 0).all()
+
+
+@pytest.mark.parametrize("tile", ["auto", "blas"])
+def test_broadcast_operands_of_one_key_are_not_taken_as_they_are(tile):
+    """A broadcast view of one key is flagged C-contiguous with strides 0: as a BLAS leading
+    dimension that was an illegal value, and the BLAS path returned v (fuzz finding). Data -inf
+    scores hide their key: the row is zeros."""
+    from mha_cy import _attention_kernel
+    previous = _attention_kernel._set_tile_kernel(tile)
+    try:
+        q = np.full((1, 1, 1, 1), 0.7, np.float32)
+        k = np.broadcast_to(np.float32(-np.inf), (1, 1, 1, 1))
+        v = np.full((1, 1, 1, 1), 0.64, np.float32)
+        assert k.flags.c_contiguous and k.strides == (0, 0, 0, 0)
+        out = mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True)
+        np.testing.assert_array_equal(out, reference.scaled_dot_product_attention(
+            q, k, v, is_causal=True))
+        k = np.broadcast_to(rng_values := np.float32(0.5), (1, 2, 1, 1))
+        out = mha_cy.scaled_dot_product_attention(np.ones((1, 2, 1, 1), np.float32), k,
+                                                  np.broadcast_to(rng_values, (1, 2, 1, 1)))
+        np.testing.assert_array_equal(out, np.full((1, 2, 1, 1), 0.5, np.float32))
+    finally:
+        _attention_kernel._set_tile_kernel(previous)
