@@ -49,29 +49,87 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
 }
 
 /* Pass 2: s_j <- exp(s_j - mx), and -0.0 for a hidden key (s_j = -inf: masked, or -inf
- * from the data); return the sum. The sign marks the keys whose V the P V products must not
- * read (attention_tile.h). */
+ * from the data; NaN stays NaN); return the sum. The sign marks the keys whose V the P V
+ * products must not read (attention_tile.h). The exp runs on 256-bit GNU vectors, VX_BLOCK of
+ * them at a time, each step of the polynomial over all of them before the next (gcc keeps
+ * that order: it does not reschedule on x86), so VX_BLOCK chains of dependent FMAs are in
+ * flight. The loop gcc vectorized by itself (16 lanes of the scalar EXP) ran its two chains
+ * almost one after the other: Zen 1, one row of 64 / 256 scores, 2.7 / 2.2 -> 2.2 / 1.6 ns a
+ * score; the fused kernel, 256 rows, D = 64, 7% faster. */
+typedef REAL FN(vreal_) __attribute__((vector_size(32), aligned(sizeof(REAL)), may_alias));
+typedef EXP_INT FN(vint_) __attribute__((vector_size(32)));
+#define VR FN(vreal_)
+#define VI FN(vint_)
+#define VN ((ptrdiff_t)(32 / sizeof(REAL)))
+#define VX_BLOCK 4
+
+#define VX_FOR for (int u = 0; u < nv; u++)
+
+/* x[u] <- EXP(x[u] - mx) for u < nv <= VX_BLOCK (the operations of fast_exp.h in the same
+ * order: the same bits), -0.0 where x[u] is -inf and a sign-flipped NaN where it is NaN, as
+ * the scalar form gives; part[u] += the result. */
+static inline __attribute__((always_inline)) void FN(vexp_block_)(const int nv, VR *x, REAL mx,
+                                                                  VR *part)
+{
+    const VI sign = (VI){0} + ((EXP_INT)1 << (8 * sizeof(REAL) - 1));
+    VI under[VX_BLOCK], hidden[VX_BLOCK];
+    VR xc[VX_BLOCK], t[VX_BLOCK], nn[VX_BLOCK], r[VX_BLOCK], p[VX_BLOCK];
+    VX_FOR hidden[u] = ~(x[u] > (REAL)-INFINITY);
+    VX_FOR xc[u] = x[u] - mx;
+    VX_FOR under[u] = xc[u] < (REAL)EXP_UNDERFLOW;
+    VX_FOR xc[u] = (VR)((VI)xc[u] & ~under[u]);
+    VX_FOR t[u] = xc[u] * (REAL)EXP_LOG2E + (REAL)EXP_ROUND_MAGIC;
+    VX_FOR nn[u] = t[u] - (REAL)EXP_ROUND_MAGIC;
+    VX_FOR r[u] = xc[u] - nn[u] * (REAL)EXP_LN2_HI;
+    VX_FOR r[u] = r[u] - nn[u] * (REAL)EXP_LN2_LO;
+    EXP_POLY_STEPS(VX_FOR, p, r);
+    VX_FOR t[u] = (VR)(((VI)t[u] - EXP_MAGIC_BITS + EXP_BIAS) << EXP_MANT_BITS);
+    VX_FOR p[u] = (VR)(((VI)(p[u] * t[u]) & ~under[u]) ^ (hidden[u] & sign));
+    VX_FOR part[u] += p[u];
+    VX_FOR x[u] = p[u];
+}
+
 static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
 {
-    REAL part[LANES] = {0};
+    VR part[VX_BLOCK], x[VX_BLOCK];
+    for (int u = 0; u < VX_BLOCK; u++)
+        part[u] = (VR){0};
     ptrdiff_t j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (ptrdiff_t u = 0; u < LANES; u++) {
-            REAL x = s[j + u], p = EXP(x - mx);
-            p = x > -INFINITY ? p : -p;     /* (this form vectorizes; p = +0 at -inf) */
-            s[j + u] = p;
-            part[u] += p;
-        }
+    for (; j + VX_BLOCK * VN <= n; j += VX_BLOCK * VN) {
+        for (int u = 0; u < VX_BLOCK; u++)
+            x[u] = *(VR *)(s + j + u * VN);
+        FN(vexp_block_)(VX_BLOCK, x, mx, part);
+        for (int u = 0; u < VX_BLOCK; u++)
+            *(VR *)(s + j + u * VN) = x[u];
+    }
+    int left = (int)((n - j) / VN);     /* whole vectors left, fewer than VX_BLOCK */
+    for (int u = 0; u < left; u++)
+        x[u] = *(VR *)(s + j + u * VN);
+    switch (left) {
+    case 3: FN(vexp_block_)(3, x, mx, part); break;
+    case 2: FN(vexp_block_)(2, x, mx, part); break;
+    case 1: FN(vexp_block_)(1, x, mx, part); break;
+    }
+    for (int u = 0; u < left; u++)
+        *(VR *)(s + j + u * VN) = x[u];
+    j += left * VN;
+    VR total = (part[0] + part[1]) + (part[2] + part[3]);
     REAL sum = 0;
+    for (ptrdiff_t u = 0; u < VN; u++)
+        sum += total[u];
     for (; j < n; j++) {
         REAL p = EXP(s[j] - mx);
         s[j] = s[j] > -INFINITY ? p : -p;
         sum += s[j];
     }
-    for (ptrdiff_t u = 0; u < LANES; u++)
-        sum += part[u];
     return sum;
 }
+
+#undef VR
+#undef VI
+#undef VN
+#undef VX_BLOCK
+#undef VX_FOR
 
 void FN(mha_online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
                                  const unsigned char *pad, int n_skip, int n_valid,

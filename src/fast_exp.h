@@ -12,66 +12,83 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The constants and polynomials, shared by the scalar functions below and the vector exp of
+ * attention_tile_impl.h, so that both give the same bits. POLY_STEPS(FOR, p, r): p[u] = exp(r[u])
+ * on the reduced range for every u of the loop header FOR (scalars or GNU vectors), one Horner
+ * step for all u before the next, so that several chains of dependent FMAs are in flight. */
+#define MHA_EXP_F32_UNDERFLOW (-87.33654f)      /* exp(x) < FLT_MIN below, also x = -inf */
+#define MHA_EXP_F32_LOG2E 1.44269504088896341f
+#define MHA_EXP_F32_LN2_HI 0.693359375f
+#define MHA_EXP_F32_LN2_LO (-2.12194440e-4f)
+#define MHA_EXP_F32_ROUND_MAGIC 12582912.0f    /* 1.5 * 2^23: adding it rounds to an integer */
+#define MHA_EXP_F32_MAGIC_BITS 0x4B400000      /* its bits: t's mantissa minus them is n */
+#define MHA_EXP_F32_POLY_STEPS(FOR, p, r)                                                    \
+    do {                                                                                     \
+        FOR p[u] = 1.9875691500e-4f * r[u] + 1.3981999507e-3f;                               \
+        FOR p[u] = p[u] * r[u] + 8.3334519073e-3f;                                           \
+        FOR p[u] = p[u] * r[u] + 4.1665795894e-2f;                                           \
+        FOR p[u] = p[u] * r[u] + 1.6666665459e-1f;                                           \
+        FOR p[u] = p[u] * r[u] + 5.0000001201e-1f;                                           \
+        FOR p[u] = p[u] * r[u] * r[u] + r[u];                                                \
+        FOR p[u] = p[u] + 1.0f;                                                              \
+    } while (0)
+
+#define MHA_EXP_F64_UNDERFLOW (-708.3964185322641)  /* exp(x) < DBL_MIN below, also -inf */
+#define MHA_EXP_F64_LOG2E 1.4426950408889634074
+#define MHA_EXP_F64_LN2_HI 6.93147180369123816490e-01
+#define MHA_EXP_F64_LN2_LO 1.90821492927058770002e-10
+#define MHA_EXP_F64_ROUND_MAGIC 6755399441055744.0  /* 1.5 * 2^52 */
+#define MHA_EXP_F64_MAGIC_BITS 0x4338000000000000LL
+#define MHA_EXP_F64_POLY_STEPS(FOR, p, r)                                                    \
+    do {                                                                                     \
+        FOR p[u] = 1.0 / 479001600.0 * r[u] + 1.0 / 39916800.0;                              \
+        FOR p[u] = p[u] * r[u] + 1.0 / 3628800.0;                                            \
+        FOR p[u] = p[u] * r[u] + 1.0 / 362880.0;                                             \
+        FOR p[u] = p[u] * r[u] + 1.0 / 40320.0;                                              \
+        FOR p[u] = p[u] * r[u] + 1.0 / 5040.0;                                               \
+        FOR p[u] = p[u] * r[u] + 1.0 / 720.0;                                                \
+        FOR p[u] = p[u] * r[u] + 1.0 / 120.0;                                                \
+        FOR p[u] = p[u] * r[u] + 1.0 / 24.0;                                                 \
+        FOR p[u] = p[u] * r[u] + 1.0 / 6.0;                                                  \
+        FOR p[u] = p[u] * r[u] + 0.5;                                                        \
+        FOR p[u] = p[u] * r[u] + 1.0;                                                        \
+        FOR p[u] = p[u] * r[u] + 1.0;                                                        \
+    } while (0)
+
 static inline float mha_exp_f32(float x)
 {
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    int underflow = x < -87.33654f;        /* exp(x) < FLT_MIN, also x = -inf */
+    int underflow = x < MHA_EXP_F32_UNDERFLOW;
     float xc = underflow ? 0.0f : x;
 
-    float t = xc * log2e + round_magic;
-    float n = t - round_magic;
-    float r = xc - n * ln2_hi - n * ln2_lo;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float t = xc * MHA_EXP_F32_LOG2E + MHA_EXP_F32_ROUND_MAGIC;
+    float n = t - MHA_EXP_F32_ROUND_MAGIC;
+    float r[1] = {xc - n * MHA_EXP_F32_LN2_HI - n * MHA_EXP_F32_LN2_LO}, p[1];
+    MHA_EXP_F32_POLY_STEPS(for (int u = 0; u < 1; u++), p, r);
 
-    int32_t ti, n_int, bits;
+    int32_t ti, bits;
     memcpy(&ti, &t, sizeof ti);
-    n_int = ti - 0x4B400000;                /* the integer n out of t's mantissa */
-    bits = (n_int + 127) << 23;
+    bits = (ti - MHA_EXP_F32_MAGIC_BITS + 127) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return underflow ? 0.0f : p * two_n;
+    return underflow ? 0.0f : p[0] * two_n;
 }
 
 static inline double mha_exp_f64(double x)
 {
-    const double log2e = 1.4426950408889634074;
-    const double ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
-    const double round_magic = 6755399441055744.0; /* 1.5 * 2^52 */
-    int underflow = x < -708.3964185322641;        /* exp(x) < DBL_MIN, also x = -inf */
+    int underflow = x < MHA_EXP_F64_UNDERFLOW;
     double xc = underflow ? 0.0 : x;
 
-    double t = xc * log2e + round_magic;
-    double n = t - round_magic;
-    double r = xc - n * ln2_hi - n * ln2_lo;
-    double p = 1.0 / 479001600.0;                  /* 1/12! */
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
+    double t = xc * MHA_EXP_F64_LOG2E + MHA_EXP_F64_ROUND_MAGIC;
+    double n = t - MHA_EXP_F64_ROUND_MAGIC;
+    double r[1] = {xc - n * MHA_EXP_F64_LN2_HI - n * MHA_EXP_F64_LN2_LO}, p[1];
+    MHA_EXP_F64_POLY_STEPS(for (int u = 0; u < 1; u++), p, r);
 
-    int64_t ti, n_int, bits;
+    int64_t ti, bits;
     memcpy(&ti, &t, sizeof ti);
-    n_int = ti - 0x4338000000000000LL;
-    bits = (n_int + 1023) << 52;
+    bits = (ti - MHA_EXP_F64_MAGIC_BITS + 1023) << 52;
     double two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return underflow ? 0.0 : p * two_n;
+    return underflow ? 0.0 : p[0] * two_n;
 }
 
 #endif
