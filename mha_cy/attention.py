@@ -276,8 +276,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             cache._check_room_uniform(length)     # raises, naming the sizes
         out = self._compiled_step(x, cache, start)
         if out is not None:
-            cache._lengths.fill(stop)
-            cache._equal_length = stop
+            cache._advance(length)
             return out
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
@@ -296,8 +295,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                         1.0 / math.sqrt(d), None, n_threads, self.window or 0,
                                         None, self._kv_index)
             out = _linear(context, self.out_weight, self.out_bias, n_threads)
-        cache._lengths.fill(stop)
-        cache._equal_length = stop
+        cache._advance(length)
         return out
 
     def _cached_step_ragged(self, x, cache):
@@ -306,7 +304,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         out = self._compiled_step(x, cache, cache._lengths)
         if out is None:
             return super().__call__(x, cache=cache)
-        cache._set_lengths(cache._lengths + counts)
+        cache._advance(x.shape[1])
         return out
 
     def _compiled_step(self, x, cache, start):
