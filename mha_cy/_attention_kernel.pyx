@@ -322,6 +322,24 @@ cdef inline void _fused_attend(const Problem *p, const Task *task, floating scal
                              limit, step, p.window, row_max, row_sum, acc, work)
 
 
+cdef inline void _start_part(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, Task *task,
+                             floating *acc, floating *row_max, floating *row_sum) noexcept nogil:
+    """The prologue of _attend_task and _stored_attend_task: task t // n_parts, its keys
+    [k_begin, k_end) narrowed to part t % n_parts (whole tiles per part), and its rows'
+    accumulators emptied (acc: rows x dv zeros; running max -inf, sum 0)."""
+    _task(p, t // n_parts, task)
+    cdef Py_ssize_t r, part_len
+    if n_parts > 1:
+        part_len = (task.k_end - task.k_begin + n_parts - 1) // n_parts
+        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
+        task.k_begin = min(task.k_end, task.k_begin + (t % n_parts) * part_len)
+        task.k_end = min(task.k_end, task.k_begin + part_len)
+    memset(acc, 0, task.rows * p.dv * sizeof(floating))
+    for r in range(task.rows):
+        row_max[r] = -INFINITY
+        row_sum[r] = 0
+
+
 cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, floating scale,
                        const floating *q, const floating *k, const floating *v, floating *out,
                        const floating *mask, const unsigned char *pad,
@@ -334,14 +352,9 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
     else leave acc, row_max and row_sum for _merge_parts. fused: use the fused tile kernel.
     saved: rows x dv, acc before each BLAS P V (to redo it by _pv_exact if non-finite)."""
     cdef Task task
-    _task(p, t // n_parts, &task)
-    cdef Py_ssize_t r, j0, nk, part_len
+    _start_part(p, t, n_parts, &task, acc, row_max, row_sum)
+    cdef Py_ssize_t r, j0, nk
     cdef Py_ssize_t k_begin = task.k_begin, k_end = task.k_end
-    if n_parts > 1:      # whole tiles per part
-        part_len = (k_end - k_begin + n_parts - 1) // n_parts
-        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
-        k_begin = min(k_end, task.k_begin + (t % n_parts) * part_len)
-        k_end = min(k_end, k_begin + part_len)
     cdef const floating *q0 = q + task.q_off
     cdef const floating *k0 = k + task.k_off
     cdef const floating *v0 = v + task.v_off
@@ -349,10 +362,6 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
     cdef const floating *m0 = NULL if mask == NULL else mask + task.m_off
     cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
 
-    memset(acc, 0, task.rows * p.dv * sizeof(floating))
-    for r in range(task.rows):
-        row_max[r] = -INFINITY
-        row_sum[r] = 0
     if fused:
         _fused_attend(p, &task, scale, q0, k0, v0, m0, pad_row, k_begin, k_end, acc, row_max,
                       row_sum, scores)
@@ -496,14 +505,9 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     """_attend_task with stored K/V. conv: block_k * (d + dv) floats (one converted tile);
     saved: rows x dv, acc before each BLAS P V (as in _attend_task)."""
     cdef Task task
-    _task(p, t // n_parts, &task)
-    cdef Py_ssize_t r, j0, nk, part_len
+    _start_part(p, t, n_parts, &task, acc, row_max, row_sum)
+    cdef Py_ssize_t r, j0, nk
     cdef Py_ssize_t k_begin = task.k_begin, k_end = task.k_end
-    if n_parts > 1:      # whole tiles per part, as _attend_task
-        part_len = (k_end - k_begin + n_parts - 1) // n_parts
-        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
-        k_begin = min(k_end, task.k_begin + (t % n_parts) * part_len)
-        k_end = min(k_end, k_begin + part_len)
     cdef const float *q0 = q + task.q_off
     cdef float *o0 = out + task.o_off
     cdef const float *m0 = NULL if mask == NULL else mask + task.m_off
@@ -517,10 +521,6 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     if p.causal:
         limit, step = task.i0 + _offset(p, task.b) + 1, task.di
 
-    memset(acc, 0, task.rows * p.dv * sizeof(float))
-    for r in range(task.rows):
-        row_max[r] = -INFINITY
-        row_sum[r] = 0
     if fused and task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1
                                                      or p.d >= FUSED_DIRECT_MIN_D):
         if p.kv_fmt == MHA_KV_F16:
