@@ -15,7 +15,7 @@ the online softmax (src/attention_tile.c), then acc += P V (BLAS). Only one S ti
 exists at a time: extra memory is O(threads * BLOCK_Q * BLOCK_K), not O(Lq * Lk).
 Where it is faster (_use_fused), the fused tile kernel of src/attention_microkernel.c does the
 same work without BLAS: scores, masks, softmax and P V per small tile in registers and L1.
-With fewer than MIN_PARALLEL_TASKS tasks (one sequence decoding with one K/V head, say), each
+With fewer than ATTN_MIN_PARALLEL_TASKS tasks (one sequence decoding with one K/V head, say), each
 task's keys are split into parts that run in parallel, and their partial softmax states are
 merged afterwards (split-K), so that every core streams a share of the cache.
 With weights requested, the rows of the (B, H, Lq, Lk) weights array serve as the score
@@ -39,6 +39,8 @@ from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64
                           MHA_FUSED_DIRECT_MIN_HEAD_DIM, mha_fused_scratch_f32,
                           mha_fused_scratch_f64, mha_fused_attend_f32, mha_fused_attend_f64,
                           mha_fused_attend_direct_f32, mha_fused_attend_direct_f64)
+from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
+                             attention_flops, split_k_parts)
 
 cdef extern from "kv_format.h" nogil:
     int MHA_KV_F16
@@ -66,17 +68,13 @@ cdef extern from "kv_format.h" nogil:
     void mha_kv_load_i8_f32(const signed char *src, Py_ssize_t src_rs, const float *scale,
                             int n, int d, float *dst, Py_ssize_t dst_rs)
 
-# Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
-cdef double MIN_FLOPS_PER_THREAD = 1e6
-# With fewer tasks than this (a decode step of one sequence with one K/V head, say), the keys
-# of each task are split into parts computed in parallel and merged ("split-K"), so that all
-# cores stream the cache. A constant, not the thread count: the result must not depend on it.
-cdef Py_ssize_t MIN_PARALLEL_TASKS = 8
+# The thread and split-K rules and their constants (ATTN_MIN_FLOPS_PER_THREAD,
+# ATTN_MIN_PARALLEL_TASKS) are in _kernel_rules.pxd, shared with _step_kernel.
 
-# Query rows per task and keys per score tile (tuned on Zen 4, see benchmarks/); changed only
+# Query rows per task and keys per score tile (defaults in _kernel_rules.pxd); changed only
 # by _set_tile_sizes, for tuning and for the tests that results do not depend on them.
-cdef Py_ssize_t BLOCK_Q = 256
-cdef Py_ssize_t BLOCK_K = 256
+cdef Py_ssize_t BLOCK_Q = ATTN_BLOCK_Q
+cdef Py_ssize_t BLOCK_K = ATTN_BLOCK_K
 
 # Which tile kernel the online path runs: the rule of _use_fused, or one forced by
 # _set_tile_kernel (for the tests and for measuring the crossover).
@@ -324,6 +322,24 @@ cdef inline void _fused_attend(const Problem *p, const Task *task, floating scal
                              limit, step, p.window, row_max, row_sum, acc, work)
 
 
+cdef inline void _start_part(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, Task *task,
+                             floating *acc, floating *row_max, floating *row_sum) noexcept nogil:
+    """The prologue of _attend_task and _stored_attend_task: task t // n_parts, its keys
+    [k_begin, k_end) narrowed to part t % n_parts (whole tiles per part), and its rows'
+    accumulators emptied (acc: rows x dv zeros; running max -inf, sum 0)."""
+    _task(p, t // n_parts, task)
+    cdef Py_ssize_t r, part_len
+    if n_parts > 1:
+        part_len = (task.k_end - task.k_begin + n_parts - 1) // n_parts
+        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
+        task.k_begin = min(task.k_end, task.k_begin + (t % n_parts) * part_len)
+        task.k_end = min(task.k_end, task.k_begin + part_len)
+    memset(acc, 0, task.rows * p.dv * sizeof(floating))
+    for r in range(task.rows):
+        row_max[r] = -INFINITY
+        row_sum[r] = 0
+
+
 cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, floating scale,
                        const floating *q, const floating *k, const floating *v, floating *out,
                        const floating *mask, const unsigned char *pad,
@@ -336,14 +352,9 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
     else leave acc, row_max and row_sum for _merge_parts. fused: use the fused tile kernel.
     saved: rows x dv, acc before each BLAS P V (to redo it by _pv_exact if non-finite)."""
     cdef Task task
-    _task(p, t // n_parts, &task)
-    cdef Py_ssize_t r, j0, nk, part_len
+    _start_part(p, t, n_parts, &task, acc, row_max, row_sum)
+    cdef Py_ssize_t r, j0, nk
     cdef Py_ssize_t k_begin = task.k_begin, k_end = task.k_end
-    if n_parts > 1:      # whole tiles per part
-        part_len = (k_end - k_begin + n_parts - 1) // n_parts
-        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
-        k_begin = min(k_end, task.k_begin + (t % n_parts) * part_len)
-        k_end = min(k_end, k_begin + part_len)
     cdef const floating *q0 = q + task.q_off
     cdef const floating *k0 = k + task.k_off
     cdef const floating *v0 = v + task.v_off
@@ -351,10 +362,6 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
     cdef const floating *m0 = NULL if mask == NULL else mask + task.m_off
     cdef const unsigned char *pad_row = NULL if pad == NULL else pad + task.pad_off
 
-    memset(acc, 0, task.rows * p.dv * sizeof(floating))
-    for r in range(task.rows):
-        row_max[r] = -INFINITY
-        row_sum[r] = 0
     if fused:
         _fused_attend(p, &task, scale, q0, k0, v0, m0, pad_row, k_begin, k_end, acc, row_max,
                       row_sum, scores)
@@ -498,14 +505,9 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     """_attend_task with stored K/V. conv: block_k * (d + dv) floats (one converted tile);
     saved: rows x dv, acc before each BLAS P V (as in _attend_task)."""
     cdef Task task
-    _task(p, t // n_parts, &task)
-    cdef Py_ssize_t r, j0, nk, part_len
+    _start_part(p, t, n_parts, &task, acc, row_max, row_sum)
+    cdef Py_ssize_t r, j0, nk
     cdef Py_ssize_t k_begin = task.k_begin, k_end = task.k_end
-    if n_parts > 1:      # whole tiles per part, as _attend_task
-        part_len = (k_end - k_begin + n_parts - 1) // n_parts
-        part_len = (part_len + p.block_k - 1) // p.block_k * p.block_k
-        k_begin = min(k_end, task.k_begin + (t % n_parts) * part_len)
-        k_end = min(k_end, k_begin + part_len)
     cdef const float *q0 = q + task.q_off
     cdef float *o0 = out + task.o_off
     cdef const float *m0 = NULL if mask == NULL else mask + task.m_off
@@ -519,10 +521,6 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     if p.causal:
         limit, step = task.i0 + _offset(p, task.b) + 1, task.di
 
-    memset(acc, 0, task.rows * p.dv * sizeof(float))
-    for r in range(task.rows):
-        row_max[r] = -INFINITY
-        row_sum[r] = 0
     if fused and task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1
                                                      or p.d >= FUSED_DIRECT_MIN_D):
         if p.kv_fmt == MHA_KV_F16:
@@ -648,9 +646,9 @@ cdef inline Py_ssize_t _elem(Py_ssize_t stride_bytes, Py_ssize_t itemsize) noexc
 
 cdef inline int _team(int n_threads, Py_ssize_t n_tasks, double flops) noexcept:
     """Threads for n_tasks tasks of `flops` in all: no more than the tasks, nor than the work
-    pays for (MIN_FLOPS_PER_THREAD each), nor than asked; at least 1."""
+    pays for (ATTN_MIN_FLOPS_PER_THREAD each), nor than asked; at least 1."""
     return <int> max(1, min(<Py_ssize_t> n_threads, n_tasks,
-                            <Py_ssize_t> (flops / MIN_FLOPS_PER_THREAD)))
+                            <Py_ssize_t> (flops / ATTN_MIN_FLOPS_PER_THREAD)))
 
 
 def _group_starts(const Py_ssize_t[::1] kv_index, Py_ssize_t q_heads, Py_ssize_t kv_heads):
@@ -850,11 +848,8 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
                                else p.batch * p.q_heads * p.q_blocks)
     if n_tasks == 0:
         return out
-    cdef double flops = 2.0 * p.batch * p.q_heads * p.q_len * p.k_len * (p.d + p.dv)
-    if p.causal:
-        flops /= 2
-    if p.window > 0 and p.window < p.k_len:     # rows see at most window keys
-        flops *= <double> p.window / p.k_len
+    cdef double flops = attention_flops(p.batch, p.q_heads, p.q_len, p.k_len, p.d, p.dv,
+                                        p.causal, p.window)
     cdef int team = _team(n_threads, n_tasks, flops)
     cdef Py_ssize_t max_rows = max_group if p.heads_as_rows else p.block_q
     cdef Py_ssize_t bk = p.block_k
@@ -881,14 +876,8 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
                 _weights_task(&p, t, scale, q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pad_ptr, w_ptr)
         return out
 
-    # split-K (see MIN_PARALLEL_TASKS): parts of at least two tiles each
-    cdef Py_ssize_t n_parts = 1
-    cdef Py_ssize_t task_keys = p.k_len     # (at most) the keys of one task
-    if p.window > 0 and p.heads_as_rows:
-        task_keys = min(task_keys, p.window)
-    if n_tasks < MIN_PARALLEL_TASKS:
-        n_parts = max(1, min((MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
-                             task_keys // (2 * bk)))
+    # split-K (see ATTN_MIN_PARALLEL_TASKS): parts of at least two tiles each
+    cdef Py_ssize_t n_parts = split_k_parts(n_tasks, p.k_len, p.window, p.heads_as_rows, bk)
     team = _team(n_threads, n_tasks * n_parts, flops)
     # acc (max_rows x dv), then running max and sum (max_rows each): after the score tile in
     # each thread's scratch, or per part in `parts` when the keys are split
@@ -959,7 +948,7 @@ default_rules = True
 def _note_rules():
     global default_rules
     default_rules = ((BLOCK_Q, BLOCK_K, TILE_KERNEL, FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D)
-                     == (256, 256, TILE_AUTO, MHA_FUSED_DIRECT_MAX_ROWS,
+                     == (ATTN_BLOCK_Q, ATTN_BLOCK_K, TILE_AUTO, MHA_FUSED_DIRECT_MAX_ROWS,
                          MHA_FUSED_DIRECT_MIN_HEAD_DIM))
 
 

@@ -207,12 +207,21 @@ class KVCache:
             return None, None
         return self.key_scale[:, :, :stop], self.value_scale[:, :, :stop]
 
+    def _advance(self, n):
+        """Count n more tokens in every sequence: the commit of a call that wrote them and
+        succeeded (never before: a failed call leaves the lengths as they were)."""
+        equal = self._equal_length
+        if equal is None:
+            self._set_lengths(self._lengths + n)
+        else:                               # the decode step's case, without NumPy reductions
+            self._lengths.fill(equal + n)
+            self._equal_length = equal + n
+
     def _commit(self, plan):
         if plan.ragged:
             self._set_lengths(plan.k_lens.copy())
         else:
-            self._lengths.fill(plan.k_len)
-            self._equal_length = plan.k_len
+            self._advance(plan.q_len)
 
     def __repr__(self):
         lengths = (f"length={self._equal_length}" if self._equal_length is not None

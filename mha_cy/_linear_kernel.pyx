@@ -27,6 +27,7 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_SMALL_GEMM_MIN_WEIGHT_BYT
                           mha_pack_row_panels_f64, mha_row_panel_gemm_f32,
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
+from ._kernel_rules cimport PANEL_TILE_WEIGHT_BYTES
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
 # every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30
@@ -60,10 +61,8 @@ cdef double MIN_TILE_FLOPS = 16e6
 cdef Py_ssize_t MAX_TILES = 64
 # BLAS takes 32-bit sizes: a tile's rows and columns stay far below 2**31 whatever the shape.
 cdef Py_ssize_t MAX_TILE_EDGE = 1 << 20
-# A panel tile's weight columns fill about this much of L2 at least: each tile streams all of
-# the packed x once, so narrow tiles re-read x too often (4096 x 384 -> 1152, one thread: 32
-# columns per tile 140 ms, 144 columns 109; 1024 rows: 33 -> 27).
-cdef Py_ssize_t PANEL_TILE_WEIGHT_BYTES = 192 * 1024
+# A panel tile's weight columns fill at least PANEL_TILE_WEIGHT_BYTES of L2 (_kernel_rules.pxd:
+# _step_kernel's panel blocks read it too).
 # Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
 cdef Py_ssize_t COL_ALIGN = 16
 cdef Py_ssize_t ROW_ALIGN = 8

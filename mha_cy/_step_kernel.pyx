@@ -41,17 +41,13 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_fused_scratch_f32, mha_fused_scratch_f64, mha_fused_attend_f32,
                           mha_fused_attend_f64, mha_fused_attend_direct_f32,
                           mha_fused_attend_direct_f64)
+from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
+                             PANEL_TILE_WEIGHT_BYTES, attention_flops, split_k_parts)
 
 cnp.import_array()
 
-# _attention_kernel's rules for this shape (keep in step with it: the tests compare the two):
-# keys per tile and tasks below which it splits the keys; work from which it uses threads.
-cdef Py_ssize_t ATTN_BLOCK_Q = 256
-cdef Py_ssize_t ATTN_BLOCK_K = 256
-cdef Py_ssize_t ATTN_MIN_PARALLEL_TASKS = 8
-cdef double ATTN_MIN_FLOPS_PER_THREAD = 1e6
-# The weight rows of a panel block (bytes): _linear_kernel's PANEL_TILE_WEIGHT_BYTES.
-cdef Py_ssize_t PANEL_BLOCK_BYTES = 192 * 1024
+# The general kernels' default rules for this shape (tile sizes, split-K, threads, panel
+# blocks) come from _kernel_rules.pxd, as theirs do.
 # Above this much work (all stages) the general path's threads pay for its overhead.
 cdef double MAX_SERIAL_FLOPS = 2e6
 
@@ -89,7 +85,8 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
         mha_pack_row_panels_f64(x, k, m, k, packed)
     # column blocks whose weight rows stay in L2 while every panel passes (as the general
     # path's tiles: PANEL_TILE_WEIGHT_BYTES); the blocks do not change any output's sum
-    cdef Py_ssize_t cols = max(<Py_ssize_t> 16, PANEL_BLOCK_BYTES // (k * sizeof(floating)))
+    cdef Py_ssize_t cols = max(<Py_ssize_t> 16,
+                               PANEL_TILE_WEIGHT_BYTES // (k * sizeof(floating)))
     cdef Py_ssize_t j0 = 0
     while j0 < n:
         if floating is float:
@@ -325,19 +322,11 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
         return None
     # where _attention_kernel would split the keys of few tasks
     cdef Py_ssize_t n_tasks = s.batch * (kv_heads if s.heads_as_rows else heads)
-    cdef Py_ssize_t bk = min(ATTN_BLOCK_K, k_len)
-    cdef Py_ssize_t task_keys = k_len
-    if window > 0 and s.heads_as_rows:
-        task_keys = min(task_keys, window)
-    if (n_tasks < ATTN_MIN_PARALLEL_TASKS
-            and min((ATTN_MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
-                    task_keys // (2 * bk)) > 1):
+    cdef Py_ssize_t bk = min(<Py_ssize_t> ATTN_BLOCK_K, k_len)
+    if split_k_parts(n_tasks, k_len, window, s.heads_as_rows, bk) > 1:
         return None
-    cdef double attn_flops = 2.0 * s.batch * heads * s.length * k_len * 2 * d
-    if causal:
-        attn_flops /= 2
-    if window > 0 and window < k_len:
-        attn_flops *= <double> window / k_len
+    cdef double attn_flops = attention_flops(s.batch, heads, s.length, k_len, d, d, causal,
+                                             window)
     cdef double flops = attn_flops + 2.0 * rows * s.embed * (s.n_in + heads * d)
     if n_threads > 1 and (flops > MAX_SERIAL_FLOPS
                           or attn_flops >= 2 * ATTN_MIN_FLOPS_PER_THREAD):

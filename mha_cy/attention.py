@@ -265,39 +265,18 @@ class MultiHeadAttention(MultiHeadAttentionBase):
 
     def _cached_step(self, x, cache):
         """Append a checked, non-empty (B, L, E) array to a cache and attend causally over
-        it: _forward with a CachePlan appending L tokens to every sequence, without the
-        general handling. The room check comes first, so a failed call changes nothing."""
-        batch, length, _ = x.shape
+        it: the compiled step (_step_kernel.decode_step) where it applies, else the general
+        path. The room check comes first, so a failed call changes nothing."""
+        length = x.shape[1]
         start = cache._equal_length
         if start is None:                  # a ragged cache: each sequence at its own length
             return self._cached_step_ragged(x, cache)
-        stop = start + length
-        if stop > cache.key.shape[2]:
+        if start + length > cache.key.shape[2]:
             cache._check_room_uniform(length)     # raises, naming the sizes
         out = self._compiled_step(x, cache, start)
-        if out is not None:
-            cache._lengths.fill(stop)
-            cache._equal_length = stop
-            return out
-        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        n_threads = kernel_threads()
-        with blas_single_threaded():
-            qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
-                               heads + 2 * kv_heads, d)
-            if self.rope is not None:      # positions start .. stop - 1 for every sequence
-                _rotate_qk(qkv, heads, kv_heads, self.rope,
-                           np.arange(start, stop, dtype=np.int64)[None], n_threads)
-            keys, values = cache.key[:, :, :stop], cache.value[:, :, :stop]
-            keys[:, :, start:] = qkv[:, heads:heads + kv_heads]
-            values[:, :, start:] = qkv[:, heads + kv_heads:]
-            context = np.empty((batch, length, heads * d), dtype=self.dtype)
-            _attention_kernel.attention(qkv[:, :heads], keys, values,
-                                        _split_heads(context, heads, d), None, None, True,
-                                        1.0 / math.sqrt(d), None, n_threads, self.window or 0,
-                                        None, self._kv_index)
-            out = _linear(context, self.out_weight, self.out_bias, n_threads)
-        cache._lengths.fill(stop)
-        cache._equal_length = stop
+        if out is None:
+            return super().__call__(x, cache=cache)
+        cache._advance(length)
         return out
 
     def _cached_step_ragged(self, x, cache):
@@ -306,7 +285,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         out = self._compiled_step(x, cache, cache._lengths)
         if out is None:
             return super().__call__(x, cache=cache)
-        cache._set_lengths(cache._lengths + counts)
+        cache._advance(x.shape[1])
         return out
 
     def _compiled_step(self, x, cache, start):

@@ -181,6 +181,42 @@ def test_the_module_takes_the_compiled_step(rng, taken):
                 assert taken == [True], (geometry, rope, even)
 
 
+@pytest.mark.parametrize("case", ["uneven_groups", "split_k", "unaligned", "knob_moved"])
+def test_a_declined_step_equals_the_general_path_bitwise(rng, taken, case):
+    """Where the compiled step declines on an equal-length cache, mha(x, cache=...) takes the
+    general path: the same output and cache (keys, values, lengths) as a call with lengths=."""
+    mha = _module(rng, (64, 4, 2, 16), np.float32, mha_cy.RoPE(), None)
+    if case == "uneven_groups":        # kv_index: the compiled step is not even asked
+        mha = _module(rng, (64, 8, 2, 8), np.float32, mha_cy.RoPE(), None).prune_heads([1, 5, 6])
+    prompt = 1100 if case == "split_k" else 6
+    x_prompt = rng.standard_normal((1, prompt, 64)).astype(np.float32)
+    x_step = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    caches, outs = [], []
+    previous = _attention_kernel._set_tile_kernel("fused") if case == "knob_moved" else None
+    try:
+        for general in (False, True):
+            cache = mha.new_cache(1, prompt + 2)
+            mha(x_prompt, cache=cache)
+            taken.clear()
+            if general:
+                outs.append(mha(x_step, cache=cache, lengths=[2]))
+            else:
+                outs.append(mha(_unaligned(x_step) if case == "unaligned" else x_step,
+                                cache=cache))
+                # it declined (uneven groups: not even asked)
+                assert taken == ([] if case == "uneven_groups" else [False]), case
+            caches.append(cache)
+    finally:
+        if previous is not None:
+            _attention_kernel._set_tile_kernel(previous)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    fast, general = caches
+    assert fast.length == general.length == prompt + 2
+    np.testing.assert_array_equal(fast.lengths, general.lengths)
+    np.testing.assert_array_equal(fast.key, general.key)
+    np.testing.assert_array_equal(fast.value, general.value)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
 @pytest.mark.parametrize("rope", list(ROPES), ids=list(ROPES))

@@ -1,0 +1,50 @@
+# The tuning constants and shape rules of the general kernels (_attention_kernel,
+# _linear_kernel), declared once: `from ._kernel_rules cimport ...`. _step_kernel reproduces
+# those kernels' default rules bit for bit and declines where they would work otherwise, so it
+# reads the same constants and the same rule functions, and cannot drift from them.
+# (A tuning knob that moves a rule at run time is seen through each kernel's default_rules.)
+
+cdef enum:
+    # _attention_kernel's default query rows per task and keys per score tile (tuned on Zen 4,
+    # see benchmarks/; its BLOCK_Q, BLOCK_K start here and _set_tile_sizes moves them)
+    ATTN_BLOCK_Q = 256
+    ATTN_BLOCK_K = 256
+    # With fewer attention tasks than this (a decode step of one sequence with one K/V head,
+    # say), the keys of each task are split into parts computed in parallel and merged
+    # ("split-K"), so that all cores stream the cache. A constant, not the thread count: the
+    # result must not depend on it.
+    ATTN_MIN_PARALLEL_TASKS = 8
+    # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
+    ATTN_MIN_FLOPS_PER_THREAD = 1000000
+    # _linear_kernel: a panel tile's weight columns fill about this much of L2 at least: each
+    # tile streams all of the packed x once, so narrow tiles re-read x too often (4096 x 384
+    # -> 1152, one thread: 32 columns per tile 140 ms, 144 columns 109; 1024 rows: 33 -> 27).
+    PANEL_TILE_WEIGHT_BYTES = 192 * 1024
+
+
+cdef inline double attention_flops(Py_ssize_t batch, Py_ssize_t q_heads, Py_ssize_t q_len,
+                                   Py_ssize_t k_len, Py_ssize_t d, Py_ssize_t dv, bint causal,
+                                   Py_ssize_t window) noexcept nogil:
+    """The attention's flops (scores and P V), halved when causal, and rows see at most window
+    keys (window > 0): what the thread count is sized by (ATTN_MIN_FLOPS_PER_THREAD each)."""
+    cdef double flops = 2.0 * batch * q_heads * q_len * k_len * (d + dv)
+    if causal:
+        flops /= 2
+    if window > 0 and window < k_len:
+        flops *= <double> window / k_len
+    return flops
+
+
+cdef inline Py_ssize_t split_k_parts(Py_ssize_t n_tasks, Py_ssize_t k_len, Py_ssize_t window,
+                                     bint heads_as_rows, Py_ssize_t block_k) noexcept nogil:
+    """Parts the keys of each of n_tasks attention tasks are split into (split-K): 1 from
+    ATTN_MIN_PARALLEL_TASKS tasks on, else enough parts for that many in all, each at least
+    two tiles of block_k keys. A task has at most k_len keys, or window (> 0) for the decode
+    tasks (heads_as_rows: one query row per head). Shapes only: thread-count invariant."""
+    cdef Py_ssize_t task_keys = k_len
+    if window > 0 and heads_as_rows:
+        task_keys = min(task_keys, window)
+    if n_tasks >= ATTN_MIN_PARALLEL_TASKS or n_tasks < 1:
+        return 1
+    return max(<Py_ssize_t> 1, min((ATTN_MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
+                                   task_keys // (2 * block_k)))
