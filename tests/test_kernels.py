@@ -239,6 +239,31 @@ def test_softmax_precision_of_the_vectorized_exp(rng, dtype):
     assert (out[0, 0, 0][~big] <= np.finfo(dtype).tiny * 1e4).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["fused", "blas"])
+def test_equal_scores_get_equal_weights_in_every_lane(rng, dtype, kernel):
+    """The softmax's exp runs on vectors, several at a time, and the last n % lanes scores on
+    scalars: equal scores in one tile must get bitwise equal weights wherever they land."""
+    from mha_cy import _attention_kernel
+    k_len = 63                              # one tile; vectors of 8 / 4 lanes and a tail
+    base = rng.uniform(-30, 0, 13)
+    t = base[np.arange(k_len) % 13]         # every score repeats at other lanes and the tail
+    q = np.zeros((1, 1, 1, 4), dtype)
+    q[..., 0] = 1
+    k = np.zeros((1, 1, k_len, 4), dtype)
+    k[0, 0, :, 0] = t                       # scores q . k_j = t_j exactly
+    v = np.eye(k_len, dtype=dtype)[None, None]
+    previous = _attention_kernel._set_tile_kernel(kernel)
+    try:
+        w = mha_cy.scaled_dot_product_attention(q, k, v, scale=1.0)[0, 0, 0]
+    finally:
+        _attention_kernel._set_tile_kernel(previous)
+    bits = w.view(np.uint32 if dtype == np.float32 else np.uint64)
+    for r in range(13):
+        assert (bits[r::13] == bits[r]).all(), r
+    np.testing.assert_allclose(w.sum(), 1, rtol=10 * np.finfo(dtype).eps)
+
+
 # -- tile sizes ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
