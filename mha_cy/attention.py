@@ -35,8 +35,10 @@ def _blas_operand(x):
     and an unaligned load is undefined behaviour)."""
     item, d = x.itemsize, x.shape[3]
     s = x.strides
+    # the row stride is a BLAS leading dimension even for one row (NumPy calls a 1-row view
+    # with stride 0 contiguous; BLAS refuses ld 0 and leaves its output unwritten)
     ok = (x.flags.aligned and s[3] == item and all(st >= 0 and st % item == 0 for st in s)
-          and (x.shape[2] <= 1 or d * item <= s[2] <= _INT_MAX * item)
+          and d * item <= s[2] <= _INT_MAX * item
           and (x.shape[1] <= 1 or d * item <= s[1] <= _INT_MAX * item))
     return x if ok else np.array(x, order="C")    # a copy (ascontiguousarray keeps unaligned)
 

@@ -101,6 +101,18 @@ def test_nan_and_inf_values_at_hidden_keys_with_a_window_and_split_k(tile):
                             seed=11))
 
 
+@pytest.mark.parametrize("special", [[], ["-inf"]])
+@pytest.mark.parametrize("tile", ["fused", "blas"])
+def test_one_key_given_as_a_zero_stride_view(special, tile):
+    # A K of one key as a broadcast view: stride 0 along the keys, which NumPy calls
+    # C-contiguous. The BLAS tiles passed the 0 as SGEMM's leading dimension: OpenBLAS
+    # printed "illegal value" and computed nothing, so a -inf in K (a hidden key: zeros)
+    # gave V instead (found by a random run of the ci profile).
+    run_sdpa_case(sdpa_case(d=3, is_causal=True, tile=tile,
+                            layouts=["contiguous", "zero_stride", "contiguous"],
+                            specials={"q": [], "k": special, "v": [], "mask": []}, seed=0))
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_ragged_cache_with_rope_window_head_mask_and_pruned_heads(need_weights):
     run_module_case(module_case(heads=6, kv_heads=2, head_dim=4, embed_dim=24, mode="cache",
