@@ -112,6 +112,12 @@ def test_encode_equals_numpy_bitwise():
     _check_encode()
 
 
+def test_encode_f16_of_other_dtypes_rounds_once():
+    x = np.array([1 + 2.0 ** -11 + 2.0 ** -40, 70000.0, -1e-300], np.float64)   # a tie in
+    np.testing.assert_array_equal(_kv_encode.encode_f16(x).view(np.uint16),    # float32 only
+                                  _numpy_f16(x).view(np.uint16))
+
+
 def test_encode_edge_cases_mean_what_the_formats_say():
     q, s = _kv_encode.encode_i8(np.array([[0, 0, 0], [1, -np.inf, 2], [1, np.nan, 2],
                                           [127, -63.5, 0.5], [-254, 1, 3]], np.float32))
