@@ -6,6 +6,7 @@ Layout of the package (one job per file):
   _module.py              what both share: parameters, argument checks, KV-cache bookkeeping
   _checks.py              argument validation (errors name the argument, expected and actual)
   _cache.py               KVCache, the preallocated keys/values of incremental decoding
+  _kv_encode.pyx          the float16 / int8 cache writes' encode on arrays (src/kv_encode.c)
   _call_plan.py           CachePlan: one cached call's per-sequence positions (ragged batches)
   _window.py              the sliding window's argument checks
   rope.py                 RoPE, the rotary position embeddings' configuration; call positions

@@ -38,35 +38,12 @@ from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64
                           mha_finish_row_f64, MHA_FUSED_MAX_HEAD_DIM, MHA_FUSED_DIRECT_MAX_ROWS,
                           MHA_FUSED_DIRECT_MIN_HEAD_DIM, mha_fused_scratch_f32,
                           mha_fused_scratch_f64, mha_fused_attend_f32, mha_fused_attend_f64,
-                          mha_fused_attend_direct_f32, mha_fused_attend_direct_f64)
+                          mha_fused_attend_direct_f32, mha_fused_attend_direct_f64,
+                          MHA_KV_F16, MHA_KV_I8, mha_kv_direct_scratch,
+                          mha_kv_attend_direct_f16_f32, mha_kv_attend_direct_i8_f32,
+                          mha_kv_load_f16_f32, mha_kv_load_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
                              attention_flops, split_k_parts)
-
-cdef extern from "kv_format.h" nogil:
-    int MHA_KV_F16
-    int MHA_KV_I8
-    Py_ssize_t mha_kv_direct_scratch()
-    void mha_kv_attend_direct_f16_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
-                                      const unsigned short *k, Py_ssize_t k_rs,
-                                      const unsigned short *v, Py_ssize_t v_rs, int dv,
-                                      Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
-                                      const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
-                                      const unsigned char *pad, Py_ssize_t limit,
-                                      Py_ssize_t limit_step, Py_ssize_t window, float *m,
-                                      float *l, float *acc, float *work)
-    void mha_kv_attend_direct_i8_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
-                                     const signed char *k, Py_ssize_t k_rs,
-                                     const float *k_scale, const signed char *v,
-                                     Py_ssize_t v_rs, const float *v_scale, int dv,
-                                     Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
-                                     const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
-                                     const unsigned char *pad, Py_ssize_t limit,
-                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
-                                     float *l, float *acc, float *work)
-    void mha_kv_load_f16_f32(const unsigned short *src, Py_ssize_t src_rs, int n, int d,
-                             float *dst, Py_ssize_t dst_rs)
-    void mha_kv_load_i8_f32(const signed char *src, Py_ssize_t src_rs, const float *scale,
-                            int n, int d, float *dst, Py_ssize_t dst_rs)
 
 # The thread and split-K rules and their constants (ATTN_MIN_FLOPS_PER_THREAD,
 # ATTN_MIN_PARALLEL_TASKS) are in _kernel_rules.pxd, shared with _step_kernel.

@@ -20,6 +20,14 @@ pure speed-up (tests/test_step_kernel.py checks it):
   threads, and wherever tuning knobs moved a rule.
 It runs on the calling thread: it is only used for work that would not pay for threads (or
 with one thread asked).
+
+float16 and int8 caches (mha_cy/_cache_formats.py) take it too: the new keys and values are
+encoded into the storage by src/kv_encode.c (which the general path's cache write also runs),
+and each task reads the stored format as _attention_kernel's _stored_attend_task does: the
+kv_format direct kernel for few rows, else converted key tiles through the fused kernel.
+Measured (E = 64, 4 heads, 16 cached tokens, one decode step, 1 thread, CPU time, loaded
+2-core Zen 1): float32 / float16 / int8 cache 14 / 15 / 15 us here; the general path took
+120 / 230 us for float16 / int8 before (107 / 117 with its encode in C).
 """
 cimport numpy as cnp
 from libc.math cimport INFINITY, sqrt
@@ -40,7 +48,10 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           MHA_FUSED_DIRECT_MAX_ROWS, MHA_FUSED_DIRECT_MIN_HEAD_DIM,
                           mha_fused_scratch_f32, mha_fused_scratch_f64, mha_fused_attend_f32,
                           mha_fused_attend_f64, mha_fused_attend_direct_f32,
-                          mha_fused_attend_direct_f64)
+                          mha_fused_attend_direct_f64, MHA_KV_F16, MHA_KV_I8,
+                          mha_kv_direct_scratch, mha_kv_attend_direct_f16_f32,
+                          mha_kv_attend_direct_i8_f32, mha_kv_load_f16_f32, mha_kv_load_i8_f32,
+                          mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
                              PANEL_TILE_WEIGHT_BYTES, attention_flops, split_k_parts)
 
@@ -60,6 +71,8 @@ cdef struct Step:
     bint heads_as_rows
     Py_ssize_t half           # RoPE pairs per head (0: no RoPE)
     bint interleaved
+    int kv_fmt                # the cache's storage: 0 (the module dtype), MHA_KV_F16, MHA_KV_I8
+    Py_ssize_t block_k        # keys per tile of the general kernel (stored formats' tiles)
 
 
 cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
@@ -98,12 +111,80 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
     return 0
 
 
+cdef inline bint _direct_rows(Py_ssize_t rows, Py_ssize_t d) noexcept nogil:
+    """Whether a task of `rows` rows runs the fused kernel's direct variant (the general
+    kernel's default rule)."""
+    return rows <= MHA_FUSED_DIRECT_MAX_ROWS and (rows == 1
+                                                  or d >= MHA_FUSED_DIRECT_MIN_HEAD_DIM)
+
+
+cdef inline void _store(int kv_fmt, const floating *src, void *cache, float *scales,
+                        Py_ssize_t dst, Py_ssize_t d) noexcept nogil:
+    """One new key or value row (d values at src) into the cache at element dst, in the
+    cache's format: src/kv_encode.c encodes as mha_cy._cache_formats does (int8: its scale
+    at position dst // d of scales)."""
+    if floating is float:
+        if kv_fmt == MHA_KV_F16:
+            mha_kv_encode_f16_f32(src, d, <unsigned short *> cache + dst)
+            return
+        if kv_fmt == MHA_KV_I8:
+            mha_kv_encode_i8_f32(src, d, <signed char *> cache + dst, scales + dst // d)
+            return
+    memcpy(<floating *> cache + dst, src, d * sizeof(floating))
+
+
+cdef void _stored_attend(const Step *s, const float *q0, Py_ssize_t q_rs, Py_ssize_t rows,
+                         const void *k0, const void *v0, const float *ks, const float *vs,
+                         Py_ssize_t k_begin, Py_ssize_t k_end, float scale, Py_ssize_t limit,
+                         Py_ssize_t step, float *row_max, float *row_sum, float *acc,
+                         float *work, float *conv) noexcept nogil:
+    """One task over a float16 / int8 cache (K/V head at k0, v0; int8: its scales at ks, vs),
+    as _attention_kernel's _stored_attend_task runs it without masks or split-K: the direct
+    kernel over the stored values for few rows, else one converted tile of block_k keys and
+    values at a time (conv: block_k * 2 * d floats) through the fused kernel."""
+    cdef Py_ssize_t d = s.d, j0 = k_begin, nk
+    cdef float *kt = conv
+    cdef float *vt = conv + s.block_k * d
+    if _direct_rows(rows, d):
+        if s.kv_fmt == MHA_KV_F16:
+            mha_kv_attend_direct_f16_f32(q0, q_rs, <int> rows, <int> d,
+                                         <const unsigned short *> k0, d,
+                                         <const unsigned short *> v0, d, <int> d, k_begin,
+                                         k_end, scale, NULL, 0, 0, NULL, limit, step, s.window,
+                                         row_max, row_sum, acc, work)
+        else:
+            mha_kv_attend_direct_i8_f32(q0, q_rs, <int> rows, <int> d,
+                                        <const signed char *> k0, d, ks,
+                                        <const signed char *> v0, d, vs, <int> d, k_begin,
+                                        k_end, scale, NULL, 0, 0, NULL, limit, step, s.window,
+                                        row_max, row_sum, acc, work)
+        return
+    while j0 < k_end:
+        nk = min(s.block_k, k_end - j0)
+        if s.kv_fmt == MHA_KV_F16:
+            mha_kv_load_f16_f32(<const unsigned short *> k0 + j0 * d, d, <int> nk, <int> d,
+                                kt, d)
+            mha_kv_load_f16_f32(<const unsigned short *> v0 + j0 * d, d, <int> nk, <int> d,
+                                vt, d)
+        else:
+            mha_kv_load_i8_f32(<const signed char *> k0 + j0 * d, d, ks + j0, <int> nk,
+                               <int> d, kt, d)
+            mha_kv_load_i8_f32(<const signed char *> v0 + j0 * d, d, vs + j0, <int> nk,
+                               <int> d, vt, d)
+        # the tile's keys are 0 .. nk - 1 to the kernel: shift what counts keys
+        mha_fused_attend_f32(q0, q_rs, <int> rows, <int> d, kt, d, vt, d, <int> d, 0, nk, scale,
+                             NULL, 0, 0, NULL, limit - j0, step, s.window, row_max, row_sum,
+                             acc, work)
+        j0 += nk
+
+
 cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
               const floating *b_in, const floating *w_out, const floating *b_out,
-              floating *cache_k, floating *cache_v, const double *inv_freq, floating scale,
-              floating *out) noexcept nogil:
+              void *cache_k, void *cache_v, float *k_scale, float *v_scale,
+              const double *inv_freq, floating scale, floating *out) noexcept nogil:
     """The step on raw pointers; 0, or -1 when out of memory (nothing written then).
-    starts: each sequence's cached length (a ragged cache), or NULL: all at s.start."""
+    starts: each sequence's cached length (a ragged cache), or NULL: all at s.start.
+    cache_k, cache_v: the storage in the format s.kv_fmt (int8: with k_scale, v_scale)."""
     cdef Py_ssize_t rows = s.batch * s.length, d = s.d, n_q = s.heads * d
     cdef Py_ssize_t k_len, start, group = s.heads // s.kv_heads
     cdef int status
@@ -111,12 +192,18 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef Py_ssize_t work_size
     if floating is float:
         work_size = mha_fused_scratch_f32(<int> d)
+        if s.kv_fmt != 0:
+            work_size = max(work_size, mha_kv_direct_scratch())
     else:
         work_size = mha_fused_scratch_f64(<int> d)
     cdef Py_ssize_t qkv_size = rows * s.n_in, ctx_size = rows * n_q
     cdef Py_ssize_t acc_size = task_rows * (d + 2), rope_size = 2 * s.length * s.half
+    # a stored format's converted key and value tiles, where the tasks take them
+    cdef Py_ssize_t conv_size = (0 if s.kv_fmt == 0 or _direct_rows(task_rows, d)
+                                 else 2 * s.block_k * d)
     cdef floating *buf = <floating *> malloc(
-        (qkv_size + ctx_size + acc_size + work_size + rope_size) * sizeof(floating))
+        (qkv_size + ctx_size + acc_size + work_size + rope_size + conv_size)
+        * sizeof(floating))
     cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
     if buf == NULL or positions == NULL:
         free(buf)
@@ -130,10 +217,11 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *work = row_sum + task_rows
     cdef floating *cos = work + work_size
     cdef floating *sin = cos + s.length * s.half
+    cdef floating *conv = sin + s.length * s.half
     cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, limit, step, q_rs, o_rs
     cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
     # where K/V head g of sequence b starts, and the stride of its keys
-    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d
+    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d, kv_off, row
     cdef const floating *k0
     cdef const floating *v0
     if not s.cached:                                  # the call's own keys, in qkv
@@ -167,11 +255,10 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         start = s.start if starts == NULL else starts[b]
         for h in range(s.kv_heads):
             for i in range(s.length):
-                memcpy(cache_k + b * kb + h * kh + (start + i) * d,
-                       qkv + b * seq + i * s.n_in + (s.heads + h) * d, d * sizeof(floating))
-                memcpy(cache_v + b * kb + h * kh + (start + i) * d,
-                       qkv + b * seq + i * s.n_in + (s.heads + s.kv_heads + h) * d,
-                       d * sizeof(floating))
+                kv_off = b * kb + h * kh + (start + i) * d
+                row = b * seq + i * s.n_in + (s.heads + h) * d
+                _store(s.kv_fmt, qkv + row, cache_k, k_scale, kv_off, d)
+                _store(s.kv_fmt, qkv + row + s.kv_heads * d, cache_v, v_scale, kv_off, d)
     # attention: _attention_kernel's tasks (causal offset = start, a sequence's last row
     # sees all of its k_len = start + L keys)
     n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
@@ -194,7 +281,9 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         elif s.window > 0:
             k_begin = min(k_len, max(<Py_ssize_t> 0, start + 1 - s.window))
         if s.cached:
-            k0, v0 = cache_k + b * kb + g * kh, cache_v + b * kb + g * kh
+            if s.kv_fmt == 0:
+                k0 = <const floating *> cache_k + b * kb + g * kh
+                v0 = <const floating *> cache_v + b * kb + g * kh
         else:
             k0 = qkv + b * seq + (s.heads + g) * d
             v0 = qkv + b * seq + (s.heads + s.kv_heads + g) * d
@@ -204,8 +293,19 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         for r in range(task_rows):
             row_max[r] = -INFINITY
             row_sum[r] = 0
-        if task_rows <= MHA_FUSED_DIRECT_MAX_ROWS and (task_rows == 1
-                                                       or d >= MHA_FUSED_DIRECT_MIN_HEAD_DIM):
+        if s.kv_fmt != 0:
+            if floating is float:             # (stored formats: float32 modules only)
+                kv_off = b * kb + g * kh
+                if s.kv_fmt == MHA_KV_F16:
+                    _stored_attend(s, q0, q_rs, task_rows, <unsigned short *> cache_k + kv_off,
+                                   <unsigned short *> cache_v + kv_off, NULL, NULL, k_begin,
+                                   k_len, scale, limit, step, row_max, row_sum, acc, work, conv)
+                else:
+                    _stored_attend(s, q0, q_rs, task_rows, <signed char *> cache_k + kv_off,
+                                   <signed char *> cache_v + kv_off, k_scale + kv_off // d,
+                                   v_scale + kv_off // d, k_begin, k_len, scale, limit, step,
+                                   row_max, row_sum, acc, work, conv)
+        elif _direct_rows(task_rows, d):
             if floating is float:
                 mha_fused_attend_direct_f32(q0, q_rs, <int> task_rows, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
@@ -250,8 +350,8 @@ cdef inline void *_data(object a) noexcept:
 
 
 def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
-                object w_in, object b_in, object w_out, object b_out,
-                Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window,
+                object k_scale, object v_scale, object w_in, object b_in, object w_out,
+                object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window,
                 object inv_freq, bint interleaved, int n_threads):
     """The step's output (B, L, E), having appended the L new keys/values of each sequence to
     the cache at position start; or None, changing nothing, when this shape is not this
@@ -259,7 +359,9 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     cached length) or an int64 (B,) array of them (a ragged cache).
 
     The caller has checked: x (B, L, E) of the module dtype, L >= 1; cache_k, cache_v (B,
-    kv_heads, max_len, D) of that dtype with start + L <= max_len; w_in (heads * D + 2 *
+    kv_heads, max_len, D) of that dtype, or float16 / int8 (a float32 module's cache in
+    that format: mha_cy._cache_formats; int8 with its k_scale, v_scale (B, kv_heads,
+    max_len) float32, else None), with start + L <= max_len; w_in (heads * D + 2 *
     kv_heads * D, E) (in_proj_weight), w_out (E, heads * D); biases None or 1-D; window 0
     (none) or >= 1; inv_freq None (no RoPE) or float64 (pairs,). Layouts (C-contiguity) and
     dtypes are checked here."""
@@ -273,13 +375,34 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
             return None
         starts = <const int64_t *> cnp.PyArray_DATA(<cnp.ndarray> start)
         max_start = max(start)
-    typenum = cnp.PyArray_TYPE(x)
-    if not (_c_contiguous(cache_k, typenum) and _c_contiguous(cache_v, typenum)):
+    cdef int typenum = cnp.PyArray_TYPE(x), stored, kv_fmt = 0
+    if not isinstance(cache_k, cnp.ndarray):
+        return None
+    stored = cnp.PyArray_TYPE(<cnp.ndarray> cache_k)
+    if stored != typenum:                 # a float16 / int8 cache of a float32 module
+        if typenum != cnp.NPY_FLOAT32:
+            return None
+        if stored == cnp.NPY_FLOAT16:
+            kv_fmt = MHA_KV_F16
+        elif stored == cnp.NPY_INT8:
+            kv_fmt = MHA_KV_I8
+        else:
+            return None
+    if not (_c_contiguous(cache_k, stored) and _c_contiguous(cache_v, stored)):
         return None
     cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
-    return _call(x, True, True, max_start, starts, cache_k, cache_v, cshape[3], cshape[2],
-                 w_in, b_in, w_out, b_out, heads, kv_heads, window, inv_freq, interleaved,
-                 n_threads)
+    cdef Py_ssize_t positions = cshape[0] * cshape[1] * cshape[2]
+    if kv_fmt == MHA_KV_I8:
+        if not (_c_contiguous(k_scale, cnp.NPY_FLOAT32)
+                and _c_contiguous(v_scale, cnp.NPY_FLOAT32)
+                and cnp.PyArray_SIZE(<cnp.ndarray> k_scale) == positions
+                and cnp.PyArray_SIZE(<cnp.ndarray> v_scale) == positions):
+            return None
+    else:
+        k_scale = v_scale = None
+    return _call(x, True, True, max_start, starts, cache_k, cache_v, kv_fmt, k_scale, v_scale,
+                 cshape[3], cshape[2], w_in, b_in, w_out, b_out, heads, kv_heads, window,
+                 inv_freq, interleaved, n_threads)
 
 
 def self_attention(cnp.ndarray x, bint causal, object w_in, object b_in, object w_out,
@@ -288,13 +411,15 @@ def self_attention(cnp.ndarray x, bint causal, object w_in, object b_in, object 
     """mha(x) (or mha(x, is_causal=True)) of a small call, or None where this kernel does not
     apply. x (B, L, E) of the module dtype, L >= 1; weights as for decode_step; window only
     with causal; RoPE at positions 0 .. L - 1."""
-    return _call(x, False, causal, 0, NULL, None, None, head_dim, 0, w_in, b_in, w_out, b_out,
-                 heads, kv_heads, window if causal else 0, inv_freq, interleaved, n_threads)
+    return _call(x, False, causal, 0, NULL, None, None, 0, None, None, head_dim, 0, w_in, b_in,
+                 w_out, b_out, heads, kv_heads, window if causal else 0, inv_freq, interleaved,
+                 n_threads)
 
 
 cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
-                  const int64_t *starts, object cache_k, object cache_v, Py_ssize_t d,
-                  Py_ssize_t max_len, object w_in, object b_in, object w_out, object b_out,
+                  const int64_t *starts, object cache_k, object cache_v, int kv_fmt,
+                  object k_scale, object v_scale, Py_ssize_t d, Py_ssize_t max_len,
+                  object w_in, object b_in, object w_out, object b_out,
                   Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window, object inv_freq,
                   bint interleaved, int n_threads):
     if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
@@ -315,6 +440,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     s.cached, s.causal = cached, causal
     s.half = 0 if inv_freq is None else cnp.PyArray_DIMS(<cnp.ndarray> inv_freq)[0]
     s.interleaved = interleaved
+    s.kv_fmt = kv_fmt
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
     cdef Py_ssize_t group = heads // kv_heads
     s.heads_as_rows = s.length == 1 and group > 1
@@ -323,6 +449,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     # where _attention_kernel would split the keys of few tasks
     cdef Py_ssize_t n_tasks = s.batch * (kv_heads if s.heads_as_rows else heads)
     cdef Py_ssize_t bk = min(<Py_ssize_t> ATTN_BLOCK_K, k_len)
+    s.block_k = bk
     if split_k_parts(n_tasks, k_len, window, s.heads_as_rows, bk) > 1:
         return None
     cdef double attn_flops = attention_flops(s.batch, heads, s.length, k_len, d, d, causal,
@@ -340,6 +467,8 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     cdef void *pbo = _data(b_out)
     cdef void *pk = _data(cache_k)
     cdef void *pv = _data(cache_v)
+    cdef float *pks = <float *> _data(k_scale)
+    cdef float *pvs = <float *> _data(v_scale)
     cdef const double *pf = <const double *> _data(inv_freq)
     cdef void *po = cnp.PyArray_DATA(out)
     cdef double scale = 1.0 / sqrt(<double> d)
@@ -347,12 +476,12 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
         with nogil:
             status = _run(&s, starts, <const float *> px, <const float *> pwi,
                           <const float *> pbi, <const float *> pwo, <const float *> pbo,
-                          <float *> pk, <float *> pv, pf, <float> scale, <float *> po)
+                          pk, pv, pks, pvs, pf, <float> scale, <float *> po)
     else:
         with nogil:
             status = _run(&s, starts, <const double *> px, <const double *> pwi,
                           <const double *> pbi, <const double *> pwo, <const double *> pbo,
-                          <double *> pk, <double *> pv, pf, scale, <double *> po)
+                          pk, pv, NULL, NULL, pf, scale, <double *> po)
     if status != 0:
         raise MemoryError("mha_cy: could not allocate a small call's scratch")
     return out

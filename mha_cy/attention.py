@@ -218,7 +218,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                 and query.shape[0] and query.shape[1] and self.in_proj_weight is not None):
             return self._self_attention(query, is_causal)
         # The common decode step, mha(x, cache=cache): the same, for a cache of this module's
-        # geometry (the general path costs a small model's step several times its kernels).
+        # geometry (the general path costs a small model's step several times its kernels),
+        # stored in the module dtype, float16 or int8 (E = 64, 4 heads, 16 cached tokens, 1
+        # thread: 14 / 15 / 15 us; float16 / int8 took the general path's 120 / 230 us before).
         if (cache is not None and type(cache) is KVCache and key is None and value is None and key_padding_mask is None
                 and attn_mask is None and lengths is None and need_weights is False
                 and positions is None and head_mask is None
@@ -226,7 +228,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                 and type(query) is np.ndarray and query.ndim == 3
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
                 and query.shape[0] == cache.key.shape[0] and query.shape[1]
-                and cache.key.dtype == self.dtype and cache.key.shape[1] == self.num_kv_heads
+                and cache.compute_dtype == self.dtype and cache.key.shape[1] == self.num_kv_heads
                 and cache.key.shape[3] == self.head_dim and self.in_proj_weight is not None):
             return self._cached_step(query, cache)
         return super().__call__(query, key, value, key_padding_mask=key_padding_mask,
@@ -296,8 +298,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             return None
         rope = self.rope
         return _step_kernel.decode_step(
-            x, start, cache.key, cache.value, self.in_proj_weight, self.in_proj_bias,
-            self.out_weight, self.out_bias, self.num_heads, self.num_kv_heads,
+            x, start, cache.key, cache.value, cache.key_scale, cache.value_scale,
+            self.in_proj_weight, self.in_proj_bias, self.out_weight, self.out_bias,
+            self.num_heads, self.num_kv_heads,
             self.window or 0, None if rope is None else rope.inv_freq(self.head_dim),
             False if rope is None else rope.interleaved, kernel_threads())
 

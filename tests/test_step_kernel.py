@@ -104,17 +104,17 @@ def test_the_compiled_step_runs_for_small_steps_and_declines_otherwise(rng):
     mha(rng.standard_normal((2, 16, 64)).astype(np.float32), cache=cache)
 
     def step(x, start):
-        return _step_kernel.decode_step(x, start, cache.key, cache.value, mha.in_proj_weight,
-                                        mha.in_proj_bias, mha.out_weight, mha.out_bias, 4, 2,
-                                        0, None, False, 1)
+        return _step_kernel.decode_step(x, start, cache.key, cache.value, None, None,
+                                        mha.in_proj_weight, mha.in_proj_bias, mha.out_weight,
+                                        mha.out_bias, 4, 2, 0, None, False, 1)
     assert step(np.zeros((2, 1, 64), np.float32), 16) is not None
     assert step(np.zeros((2, 5, 64), np.float32), 16) is not None     # 10 rows: the panels
     one = mha_cy.MultiHeadAttention(64, 4, num_kv_heads=1, head_dim=16, seed=0)
     long_cache = one.new_cache(1, 4096)
     assert _step_kernel.decode_step(np.zeros((1, 1, 64), np.float32), 2000, long_cache.key,
-                                    long_cache.value, one.in_proj_weight, one.in_proj_bias,
-                                    one.out_weight, one.out_bias, 4, 1, 0, None, False,
-                                    1) is None             # 1 task over 2001 keys: split-K
+                                    long_cache.value, None, None, one.in_proj_weight,
+                                    one.in_proj_bias, one.out_weight, one.out_bias, 4, 1, 0,
+                                    None, False, 1) is None             # 1 task over 2001 keys: split-K
 
 
 def test_tuning_knobs_send_steps_to_the_general_path():
