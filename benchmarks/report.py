@@ -38,7 +38,8 @@ PEERS = ("torch_sdpa", "torch_mha", "onnxruntime", "openvino")
 IMPL_ORDER = ("mha_cy", "numpy", "torch_sdpa", "torch_mha", "onnxruntime", "openvino")
 WORKLOAD_ORDER = ("encoder", "encoder_weights", "encoder_batched", "long_causal", "encoder_sdpa",
                   "encoder_batched_sdpa", "long_causal_sdpa", "decode_gqa", "decode_proj",
-                  "decode_cache_f32", "decode_cache_f16", "decode_cache_int8", "tiny", "threads")
+                  "decode_cache_f32", "decode_cache_f16", "decode_cache_int8", "decode_ragged",
+                  "decode_window", "tiny", "threads")
 USER_ENV_DROPS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 DEFAULT_ENV_WORKLOADS = ("encoder_sdpa", "encoder_batched_sdpa", "long_causal_sdpa")
 
@@ -192,6 +193,10 @@ def workload_caption(workload: str, rows: list) -> str:
         shape += ", causal"
     if r.get("padding"):
         shape += ", key padding"
+    if r.get("lengths"):
+        shape += f", ragged: cached lengths {', '.join(map(str, r['lengths']))}"
+    if r.get("window"):
+        shape += f", window={r['window']}"
     return f"### {workload}\n\n{shape}; {roof_txt}.\n"
 
 

@@ -52,6 +52,16 @@ scaling are O(B*H*Lq*Lk) or smaller and are left out (as is customary, e.g. Flas
 
   decode_proj: 160 MiB of weights + 64 MiB of cache = 224 MiB per call: memory-bound.
 
+  A ragged batch (``lengths``: sequence b holds lengths[b] cached tokens before the step) and a
+  sliding window (``window``: the step sees only its last ``window`` keys, and the kernels skip
+  the others) read only the keys each sequence really attends to; ``B*Lk`` above becomes::
+
+      keys = sum_b min(lengths[b] + 1, window)     # lengths[b] = Lk - 1 when not ragged
+
+  in the attention FLOPs (``4*Hq*D*keys``) and in the cache read (``2*Hkv*keys*D*4`` bytes).
+  decode_ragged: 2048 + 1501 + 1001 + 513 = 5063 keys, 39.6 MiB of cache (not 4 x 2048 = 64 MiB);
+  decode_window: 4096 of 8192 keys, 32 MiB of a 64 MiB cache.
+
 ``bound`` says which roof applies: ``"compute"`` workloads are reported in GFLOP/s against the
 measured sgemm rate, ``"memory"`` workloads in GB/s against the measured copy bandwidth.
 """
@@ -87,7 +97,31 @@ class Workload:
     # left in cache (bytes and flops stay per call)
     layers: int = 1
     cache_dtype: str = "float32"  # "decode": the KV cache's storage (new_cache(dtype=...))
+    # "decode": tokens each sequence holds before the step (a ragged batch, prefilled with
+    # lengths=); None = Lk - 1 for every sequence. Lk stays the cache's capacity (max_len)
+    lengths: tuple[int, ...] | None = None
+    window: int | None = None  # "decode": MultiHeadAttention(window=...), None = unlimited
     description: str = ""
+
+    def __post_init__(self):
+        if self.lengths is not None and (len(self.lengths) != self.B
+                                         or not 0 <= min(self.lengths) <= max(self.lengths) < self.Lk):
+            raise ValueError(f"{self.name}: lengths must be {self.B} ints in [0, Lk - 1 = "
+                             f"{self.Lk - 1}]; got {self.lengths}")
+
+    @property
+    def cached(self) -> tuple[int, ...]:
+        """Tokens of each sequence in the cache before the step."""
+        return self.lengths if self.lengths is not None else (self.Lk - 1,) * self.B
+
+    @property
+    def keys_read(self) -> int:
+        """Keys the step attends to, summed over the batch (its own cached ones and the new
+        one, the last ``window`` of them with a window); B * Lk for the sdpa workloads."""
+        if self.kind != "decode":
+            return self.B * self.Lk
+        window = self.window or self.Lk
+        return sum(min(n + 1, window) for n in self.cached)
 
     @property
     def flops(self) -> int:
@@ -100,7 +134,7 @@ class Workload:
         if self.kind == "sdpa":
             return attention
         if self.kind == "decode":
-            return 2 * B * E * (Hq * D + 2 * Hkv * D) + 2 * B * Hq * D * E + 4 * B * Hq * Lk * D
+            return 2 * B * E * (Hq * D + 2 * Hkv * D) + 2 * B * Hq * D * E + 4 * Hq * self.keys_read * D
         raise ValueError(f"unknown kind {self.kind!r}")
 
     @property
@@ -116,7 +150,7 @@ class Workload:
             # a float16 cache reads 2 bytes per value, an int8 one 1 plus a float32 scale per
             # (sequence, K/V head, position) for K and for V
             per_value = {"float32": 4, "float16": 2, "int8": 1}[self.cache_dtype]
-            cache = 2 * B * Hkv * Lk * (D * per_value + (4 if self.cache_dtype == "int8" else 0))
+            cache = 2 * Hkv * self.keys_read * (D * per_value + (4 if self.cache_dtype == "int8" else 0))
             return 4 * (weights + 2 * B * Hkv * D + 2 * B * E) + cache
         raise ValueError(f"unknown kind {self.kind!r}")
 
@@ -177,6 +211,19 @@ WORKLOADS: dict[str, Workload] = {
                                "32 query / 8 KV heads, head_dim 128; d_model 256 so that the "
                                "cache, not the weights, is read; 8 such caches in turn")
           for short, dtype in (("f32", "float32"), ("f16", "float16"), ("int8", "int8"))],
+        Workload("decode_ragged", "decode", B=4, Lq=1, Lk=2048, E=256, Hq=32, Hkv=8, D=128,
+                 bound="memory", layers=8, lengths=(2047, 1500, 1000, 512),
+                 description="one decode step of a ragged batch: 4 sequences holding 2047, 1500, "
+                             "1000 and 512 tokens of a 2048-token cache (prefilled with lengths=), "
+                             "each appends at its own position and reads only its own tokens; "
+                             "32 query / 8 KV heads, head_dim 128, d_model 256; 8 such caches in "
+                             "turn"),
+        Workload("decode_window", "decode", B=1, Lq=1, Lk=8192, E=256, Hq=32, Hkv=8, D=128,
+                 bound="memory", layers=8, window=4096,
+                 description="one decode step with a 4096-token sliding window (Mistral) over a "
+                             "cache of 8191 tokens + the new one: only the window's keys are "
+                             "read (32 of 64 MiB); 32 query / 8 KV heads, head_dim 128, "
+                             "d_model 256; 8 such caches in turn"),
         Workload("decode_small", "decode", B=1, Lq=1, Lk=17, E=64, Hq=4, Hkv=4, D=16,
                  description="one decode step of a small layer (d_model 64, 4 heads) over 16 "
                              "cached tokens: the per-call cost of a step"),
@@ -203,7 +250,9 @@ def make_data(name: str, seed: int = 0) -> dict:
     ``sdpa``: q k v kpm, and ``attn_mask``: ``~kpm`` as bool (B, 1, 1, Lk), True = may attend, or
     None. ``decode``: the weights, ``prompt`` (B, Lk - 1, E) to prefill a cache with,
     ``x`` (B, 1, E) the step, and ``k_prefix``/``v_prefix`` (B, Hkv, Lk - 1, D), the K/V of the prompt
-    for implementations that are handed a cache directly (computed here once with NumPy).
+    for implementations that are handed a cache directly (computed here once with NumPy). A
+    ragged workload's prompt is right-padded: sequence b's tokens past ``lengths[b]`` are
+    padding (random values too: their K/V in ``k_prefix``/``v_prefix`` must stay hidden).
     """
     w = WORKLOADS[name]
     rng = np.random.default_rng(seed + sum(map(ord, w.name)))
