@@ -7,61 +7,26 @@
 
 #define MHA_IMPL "attention_tile_impl.h"
 
+/* EXP_C(NAME): fast_exp.h's constant MHA_EXP_<type>_NAME, for the vector exp of the body */
 #define REAL float
 #define TYPE_SUFFIX f32
 #define EXP mha_exp_f32
-#define EXP_INT int32_t
-#define EXP_UNDERFLOW MHA_EXP_F32_UNDERFLOW
-#define EXP_LOG2E MHA_EXP_F32_LOG2E
-#define EXP_ROUND_MAGIC MHA_EXP_F32_ROUND_MAGIC
-#define EXP_LN2_HI MHA_EXP_F32_LN2_HI
-#define EXP_LN2_LO MHA_EXP_F32_LN2_LO
-#define EXP_POLY_STEPS MHA_EXP_F32_POLY_STEPS
-#define EXP_MAGIC_BITS MHA_EXP_F32_MAGIC_BITS
-#define EXP_BIAS 127
-#define EXP_MANT_BITS 23
+#define EXP_C(name) MHA_EXP_F32_##name
 #include "simd_isas.h"
 #undef REAL
 #undef TYPE_SUFFIX
 #undef EXP
-#undef EXP_INT
-#undef EXP_UNDERFLOW
-#undef EXP_LOG2E
-#undef EXP_ROUND_MAGIC
-#undef EXP_LN2_HI
-#undef EXP_LN2_LO
-#undef EXP_POLY_STEPS
-#undef EXP_MAGIC_BITS
-#undef EXP_BIAS
-#undef EXP_MANT_BITS
+#undef EXP_C
 
 #define REAL double
 #define TYPE_SUFFIX f64
 #define EXP mha_exp_f64
-#define EXP_INT int64_t
-#define EXP_UNDERFLOW MHA_EXP_F64_UNDERFLOW
-#define EXP_LOG2E MHA_EXP_F64_LOG2E
-#define EXP_ROUND_MAGIC MHA_EXP_F64_ROUND_MAGIC
-#define EXP_LN2_HI MHA_EXP_F64_LN2_HI
-#define EXP_LN2_LO MHA_EXP_F64_LN2_LO
-#define EXP_POLY_STEPS MHA_EXP_F64_POLY_STEPS
-#define EXP_MAGIC_BITS MHA_EXP_F64_MAGIC_BITS
-#define EXP_BIAS 1023
-#define EXP_MANT_BITS 52
+#define EXP_C(name) MHA_EXP_F64_##name
 #include "simd_isas.h"
 #undef REAL
 #undef TYPE_SUFFIX
 #undef EXP
-#undef EXP_INT
-#undef EXP_UNDERFLOW
-#undef EXP_LOG2E
-#undef EXP_ROUND_MAGIC
-#undef EXP_LN2_HI
-#undef EXP_LN2_LO
-#undef EXP_POLY_STEPS
-#undef EXP_MAGIC_BITS
-#undef EXP_BIAS
-#undef EXP_MANT_BITS
+#undef EXP_C
 
 #ifdef MHA_SIMD_DISPATCH
 #define DEFINE_DISPATCH(REAL, SFX)                                                           \

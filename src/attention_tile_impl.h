@@ -1,5 +1,6 @@
 /* Body of attention_tile.c for one floating type: included with REAL = float and with REAL =
- * double, once per SIMD level (simd_isas.h; the C equivalent of a Cython fused type). Defines need REAL, SUFFIX, EXP.
+ * double, once per SIMD level (simd_isas.h; the C equivalent of a Cython fused type).
+ * Defines needed: REAL, SUFFIX, EXP (the scalar exp), EXP_C(NAME) (its constants, fast_exp.h).
  * Loop indices are ptrdiff_t, not int: Python's CFLAGS carry -fwrapv, under which gcc does not
  * vectorize loops over int indices (measured: the softmax ran 10x slower). */
 
@@ -58,7 +59,7 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
  * score; the fused kernel, 256 rows, D = 64: 4% faster (the same run, 1 thread). A call for a
  * block's rows at once (its passes over every row before the next) measured no faster. */
 typedef REAL FN(vreal_) __attribute__((vector_size(32), aligned(sizeof(REAL)), may_alias));
-typedef EXP_INT FN(vint_) __attribute__((vector_size(32)));
+typedef EXP_C(INT) FN(vint_) __attribute__((vector_size(32)));
 #define VR FN(vreal_)
 #define VI FN(vint_)
 #define VN ((ptrdiff_t)(32 / sizeof(REAL)))
@@ -72,19 +73,19 @@ typedef EXP_INT FN(vint_) __attribute__((vector_size(32)));
 static inline __attribute__((always_inline)) void FN(vexp_block_)(const int nv, VR *x, REAL mx,
                                                                   VR *part)
 {
-    const VI sign = (VI){0} + ((EXP_INT)1 << (8 * sizeof(REAL) - 1));
+    const VI sign = (VI){0} + ((EXP_C(INT))1 << (8 * sizeof(REAL) - 1));
     VI under[VX_BLOCK], hidden[VX_BLOCK];
     VR xc[VX_BLOCK], t[VX_BLOCK], nn[VX_BLOCK], r[VX_BLOCK], p[VX_BLOCK];
     VX_FOR hidden[u] = ~(x[u] > (REAL)-INFINITY);
     VX_FOR xc[u] = x[u] - mx;
-    VX_FOR under[u] = xc[u] < (REAL)EXP_UNDERFLOW;
+    VX_FOR under[u] = xc[u] < (REAL)EXP_C(UNDERFLOW);
     VX_FOR xc[u] = (VR)((VI)xc[u] & ~under[u]);
-    VX_FOR t[u] = xc[u] * (REAL)EXP_LOG2E + (REAL)EXP_ROUND_MAGIC;
-    VX_FOR nn[u] = t[u] - (REAL)EXP_ROUND_MAGIC;
-    VX_FOR r[u] = xc[u] - nn[u] * (REAL)EXP_LN2_HI;
-    VX_FOR r[u] = r[u] - nn[u] * (REAL)EXP_LN2_LO;
-    EXP_POLY_STEPS(VX_FOR, p, r);
-    VX_FOR t[u] = (VR)(((VI)t[u] - EXP_MAGIC_BITS + EXP_BIAS) << EXP_MANT_BITS);
+    VX_FOR t[u] = xc[u] * (REAL)EXP_C(LOG2E) + (REAL)EXP_C(ROUND_MAGIC);
+    VX_FOR nn[u] = t[u] - (REAL)EXP_C(ROUND_MAGIC);
+    VX_FOR r[u] = xc[u] - nn[u] * (REAL)EXP_C(LN2_HI);
+    VX_FOR r[u] = r[u] - nn[u] * (REAL)EXP_C(LN2_LO);
+    EXP_C(POLY_STEPS)(VX_FOR, p, r);
+    VX_FOR t[u] = (VR)(((VI)t[u] - EXP_C(MAGIC_BITS) + EXP_C(BIAS)) << EXP_C(MANT_BITS));
     VX_FOR p[u] = (VR)(((VI)(p[u] * t[u]) & ~under[u]) ^ (hidden[u] & sign));
     VX_FOR part[u] += p[u];
     VX_FOR x[u] = p[u];

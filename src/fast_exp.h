@@ -22,6 +22,9 @@
 #define MHA_EXP_F32_LN2_LO (-2.12194440e-4f)
 #define MHA_EXP_F32_ROUND_MAGIC 12582912.0f    /* 1.5 * 2^23: adding it rounds to an integer */
 #define MHA_EXP_F32_MAGIC_BITS 0x4B400000      /* its bits: t's mantissa minus them is n */
+#define MHA_EXP_F32_INT int32_t                /* the integer type of a float's bits */
+#define MHA_EXP_F32_BIAS 127
+#define MHA_EXP_F32_MANT_BITS 23
 #define MHA_EXP_F32_POLY_STEPS(FOR, p, r)                                                    \
     do {                                                                                     \
         FOR p[u] = 1.9875691500e-4f * r[u] + 1.3981999507e-3f;                               \
@@ -39,6 +42,9 @@
 #define MHA_EXP_F64_LN2_LO 1.90821492927058770002e-10
 #define MHA_EXP_F64_ROUND_MAGIC 6755399441055744.0  /* 1.5 * 2^52 */
 #define MHA_EXP_F64_MAGIC_BITS 0x4338000000000000LL
+#define MHA_EXP_F64_INT int64_t
+#define MHA_EXP_F64_BIAS 1023
+#define MHA_EXP_F64_MANT_BITS 52
 #define MHA_EXP_F64_POLY_STEPS(FOR, p, r)                                                    \
     do {                                                                                     \
         FOR p[u] = 1.0 / 479001600.0 * r[u] + 1.0 / 39916800.0;                              \
@@ -67,7 +73,7 @@ static inline float mha_exp_f32(float x)
 
     int32_t ti, bits;
     memcpy(&ti, &t, sizeof ti);
-    bits = (ti - MHA_EXP_F32_MAGIC_BITS + 127) << 23;
+    bits = (ti - MHA_EXP_F32_MAGIC_BITS + MHA_EXP_F32_BIAS) << MHA_EXP_F32_MANT_BITS;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return underflow ? 0.0f : p[0] * two_n;
@@ -85,7 +91,7 @@ static inline double mha_exp_f64(double x)
 
     int64_t ti, bits;
     memcpy(&ti, &t, sizeof ti);
-    bits = (ti - MHA_EXP_F64_MAGIC_BITS + 1023) << 52;
+    bits = (ti - MHA_EXP_F64_MAGIC_BITS + MHA_EXP_F64_BIAS) << MHA_EXP_F64_MANT_BITS;
     double two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return underflow ? 0.0 : p[0] * two_n;
