@@ -221,8 +221,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         # geometry (the general path costs a small model's step several times its kernels),
         # stored in the module dtype, float16 or int8 (E = 64, 4 heads, 16 cached tokens, 1
         # thread: 14 / 15 / 15 us; float16 / int8 took the general path's 120 / 230 us before).
-        if (cache is not None and type(cache) is KVCache and key is None and value is None and key_padding_mask is None
-                and attn_mask is None and lengths is None and need_weights is False
+        if (cache is not None and type(cache) is KVCache and key is None and value is None
+                and key_padding_mask is None and attn_mask is None and lengths is None
+                and need_weights is False
                 and positions is None and head_mask is None
                 and (is_causal is True or is_causal is False)
                 and type(query) is np.ndarray and query.ndim == 3
