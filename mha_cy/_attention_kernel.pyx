@@ -43,7 +43,7 @@ from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64
                           mha_kv_attend_direct_f16_f32, mha_kv_attend_direct_i8_f32,
                           mha_kv_load_f16_f32, mha_kv_load_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
-                             attention_flops, split_k_parts)
+                             attention_flops, direct_rows, split_k_parts)
 
 # The thread and split-K rules and their constants (ATTN_MIN_FLOPS_PER_THREAD,
 # ATTN_MIN_PARALLEL_TASKS) are in _kernel_rules.pxd, shared with _step_kernel.
@@ -277,7 +277,7 @@ cdef inline void _fused_attend(const Problem *p, const Task *task, floating scal
     if p.causal:
         limit, step = task.i0 + _offset(p, task.b) + 1, task.di
     # a rule of the shapes: thread-count invariant
-    if task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1 or p.d >= FUSED_DIRECT_MIN_D):
+    if direct_rows(task.rows, p.d, FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D):
         if floating is float:
             mha_fused_attend_direct_f32(q0, task.q_rs, <int> task.rows, <int> p.d, k0, p.kl,
                                         v0, p.vl, <int> p.dv, k_begin, k_end, scale, m0,
@@ -498,8 +498,7 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     if p.causal:
         limit, step = task.i0 + _offset(p, task.b) + 1, task.di
 
-    if fused and task.rows <= FUSED_DIRECT_ROWS and (task.rows == 1
-                                                     or p.d >= FUSED_DIRECT_MIN_D):
+    if fused and direct_rows(task.rows, p.d, FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D):
         if p.kv_fmt == MHA_KV_F16:
             mha_kv_attend_direct_f16_f32(q0, task.q_rs, <int> task.rows, <int> p.d,
                                          <const unsigned short *> p.k_raw + task.k_off, p.kl,

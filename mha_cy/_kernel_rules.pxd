@@ -48,3 +48,12 @@ cdef inline Py_ssize_t split_k_parts(Py_ssize_t n_tasks, Py_ssize_t k_len, Py_ss
         return 1
     return max(<Py_ssize_t> 1, min((ATTN_MIN_PARALLEL_TASKS + n_tasks - 1) // n_tasks,
                                    task_keys // (2 * block_k)))
+
+
+cdef inline bint direct_rows(Py_ssize_t rows, Py_ssize_t d, Py_ssize_t max_rows,
+                             Py_ssize_t min_d) noexcept nogil:
+    """Whether an attention task of `rows` rows of head dim d runs the fused kernel's direct
+    variant (no packed keys): at most max_rows rows, and d >= min_d unless it has one row. The
+    defaults are MHA_FUSED_DIRECT_MAX_ROWS and MHA_FUSED_DIRECT_MIN_HEAD_DIM;
+    _attention_kernel's _set_fused_direct moves its own."""
+    return rows <= max_rows and (rows == 1 or d >= min_d)

@@ -53,7 +53,8 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_kv_attend_direct_i8_f32, mha_kv_load_f16_f32, mha_kv_load_i8_f32,
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
-                             PANEL_TILE_WEIGHT_BYTES, attention_flops, split_k_parts)
+                             PANEL_TILE_WEIGHT_BYTES, attention_flops, direct_rows,
+                             split_k_parts)
 
 cnp.import_array()
 
@@ -114,8 +115,7 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
 cdef inline bint _direct_rows(Py_ssize_t rows, Py_ssize_t d) noexcept nogil:
     """Whether a task of `rows` rows runs the fused kernel's direct variant (the general
     kernel's default rule)."""
-    return rows <= MHA_FUSED_DIRECT_MAX_ROWS and (rows == 1
-                                                  or d >= MHA_FUSED_DIRECT_MIN_HEAD_DIM)
+    return direct_rows(rows, d, MHA_FUSED_DIRECT_MAX_ROWS, MHA_FUSED_DIRECT_MIN_HEAD_DIM)
 
 
 cdef inline void _store(int kv_fmt, const floating *src, void *cache, float *scales,
