@@ -14,7 +14,8 @@ pure speed-up (tests/test_step_kernel.py checks it):
   functions; each output is one chain of FMAs whatever the tile);
 - RoPE is src/rope.c, a table per sequence's positions, as _rope_kernel computes row by row;
 - attention reproduces _attention_kernel's tasks for the shape (a GQA group's heads as the
-  rows of one task for a one-token step, else one task per query head) and calls the same
+  rows of one task for a one-token step, else one task per query head; a pruned module's
+  uneven groups as that kernel forms them from kv_index) and calls the same
   fused kernel with the same arguments; it declines (returns None) where that kernel would
   split the keys (split-K), take more than one block of query rows, run BLAS tiles or use
   threads, and wherever tuning knobs moved a rule.
@@ -27,7 +28,9 @@ and each task reads the stored format as _attention_kernel's _stored_attend_task
 kv_format direct kernel for few rows, else converted key tiles through the fused kernel.
 Measured (E = 64, 4 heads, 16 cached tokens, one decode step, 1 thread, CPU time, loaded
 2-core Zen 1): float32 / float16 / int8 cache 14 / 15 / 15 us here; the general path took
-120 / 230 us for float16 / int8 before (107 / 117 with its encode in C).
+120 / 230 us for float16 / int8 before (107 / 117 with its encode in C). A pruned module (the
+same without head 0: K/V groups of 1 and 2 heads) took the general path before: step 110 ->
+22 us, mha(x) of 16 tokens 80 -> 32 us (wall time, step including a truncate).
 """
 cimport numpy as cnp
 from libc.math cimport INFINITY, sqrt
@@ -74,6 +77,12 @@ cdef struct Step:
     bint interleaved
     int kv_fmt                # the cache's storage: 0 (the module dtype), MHA_KV_F16, MHA_KV_I8
     Py_ssize_t block_k        # keys per tile of the general kernel (stored formats' tiles)
+    # uneven groups (a pruned module), as _attention_kernel's Problem has them: query head h
+    # reads K/V head kv_index[h]; K/V head g's query heads are [group_start[g],
+    # group_start[g + 1]) (decode tasks). NULL: the even groups h // (heads / kv_heads).
+    const Py_ssize_t *kv_index
+    const Py_ssize_t *group_start
+    Py_ssize_t max_group      # the most query heads of one K/V head
 
 
 cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
@@ -116,6 +125,20 @@ cdef inline bint _direct_rows(Py_ssize_t rows, Py_ssize_t d) noexcept nogil:
     """Whether a task of `rows` rows runs the fused kernel's direct variant (the general
     kernel's default rule)."""
     return direct_rows(rows, d, MHA_FUSED_DIRECT_MAX_ROWS, MHA_FUSED_DIRECT_MIN_HEAD_DIM)
+
+
+cdef bint _any_tile_task(const Step *s) noexcept nogil:
+    """Whether some task of the step does not take the direct kernel (a stored format's
+    tasks then need converted key and value tiles)."""
+    cdef Py_ssize_t g
+    if not s.heads_as_rows:
+        return not _direct_rows(s.length, s.d)
+    if s.group_start == NULL:
+        return not _direct_rows(s.max_group, s.d)
+    for g in range(s.kv_heads):
+        if not _direct_rows(s.group_start[g + 1] - s.group_start[g], s.d):
+            return True
+    return False
 
 
 cdef inline void _store(int kv_fmt, const floating *src, void *cache, float *scales,
@@ -188,7 +211,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef Py_ssize_t rows = s.batch * s.length, d = s.d, n_q = s.heads * d
     cdef Py_ssize_t k_len, start, group = s.heads // s.kv_heads
     cdef int status
-    cdef Py_ssize_t task_rows = group if s.heads_as_rows else s.length
+    cdef Py_ssize_t task_rows = s.max_group if s.heads_as_rows else s.length   # the most
+    cdef Py_ssize_t rows_t                                                     # task t's
     cdef Py_ssize_t work_size
     if floating is float:
         work_size = mha_fused_scratch_f32(<int> d)
@@ -199,8 +223,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef Py_ssize_t qkv_size = rows * s.n_in, ctx_size = rows * n_q
     cdef Py_ssize_t acc_size = task_rows * (d + 2), rope_size = 2 * s.length * s.half
     # a stored format's converted key and value tiles, where the tasks take them
-    cdef Py_ssize_t conv_size = (0 if s.kv_fmt == 0 or _direct_rows(task_rows, d)
-                                 else 2 * s.block_k * d)
+    cdef Py_ssize_t conv_size = (2 * s.block_k * d if s.kv_fmt != 0 and _any_tile_task(s)
+                                 else 0)
     cdef floating *buf = <floating *> malloc(
         (qkv_size + ctx_size + acc_size + work_size + rope_size + conv_size)
         * sizeof(floating))
@@ -267,12 +291,16 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     if task_rows == 1:
         q_rs, o_rs = d, d
     for t in range(n_tasks):
+        rows_t = task_rows
         if s.heads_as_rows:
             b, g = t // s.kv_heads, t % s.kv_heads
             h0 = g * group
+            if s.group_start != NULL:
+                h0 = s.group_start[g]
+                rows_t = s.group_start[g + 1] - h0
         else:
             b, h0 = t // s.heads, t % s.heads
-            g = h0 // group
+            g = h0 // group if s.kv_index == NULL else s.kv_index[h0]
         start = s.start if starts == NULL else starts[b]
         k_len, limit, k_begin = start + s.length, start + 1, 0
         step = 0 if s.heads_as_rows else 1
@@ -289,43 +317,43 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             v0 = qkv + b * seq + (s.heads + s.kv_heads + g) * d
         q0 = qkv + b * seq + h0 * d
         o0 = ctx + b * s.length * n_q + h0 * d
-        memset(acc, 0, task_rows * d * sizeof(floating))
-        for r in range(task_rows):
+        memset(acc, 0, rows_t * d * sizeof(floating))
+        for r in range(rows_t):
             row_max[r] = -INFINITY
             row_sum[r] = 0
         if s.kv_fmt != 0:
             if floating is float:             # (stored formats: float32 modules only)
                 kv_off = b * kb + g * kh
                 if s.kv_fmt == MHA_KV_F16:
-                    _stored_attend(s, q0, q_rs, task_rows, <unsigned short *> cache_k + kv_off,
+                    _stored_attend(s, q0, q_rs, rows_t, <unsigned short *> cache_k + kv_off,
                                    <unsigned short *> cache_v + kv_off, NULL, NULL, k_begin,
                                    k_len, scale, limit, step, row_max, row_sum, acc, work, conv)
                 else:
-                    _stored_attend(s, q0, q_rs, task_rows, <signed char *> cache_k + kv_off,
+                    _stored_attend(s, q0, q_rs, rows_t, <signed char *> cache_k + kv_off,
                                    <signed char *> cache_v + kv_off, k_scale + kv_off // d,
                                    v_scale + kv_off // d, k_begin, k_len, scale, limit, step,
                                    row_max, row_sum, acc, work, conv)
-        elif _direct_rows(task_rows, d):
+        elif _direct_rows(rows_t, d):
             if floating is float:
-                mha_fused_attend_direct_f32(q0, q_rs, <int> task_rows, <int> d,
+                mha_fused_attend_direct_f32(q0, q_rs, <int> rows_t, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
                                             k_len, scale, NULL, 0, 0, NULL, limit, step,
                                             s.window, row_max, row_sum, acc, work)
             else:
-                mha_fused_attend_direct_f64(q0, q_rs, <int> task_rows, <int> d,
+                mha_fused_attend_direct_f64(q0, q_rs, <int> rows_t, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
                                             k_len, scale, NULL, 0, 0, NULL, limit, step,
                                             s.window, row_max, row_sum, acc, work)
         else:
             if floating is float:
-                mha_fused_attend_f32(q0, q_rs, <int> task_rows, <int> d,
+                mha_fused_attend_f32(q0, q_rs, <int> rows_t, <int> d,
                                      k0, kl, v0, kl, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
                                      limit, step, s.window, row_max, row_sum, acc, work)
             else:
-                mha_fused_attend_f64(q0, q_rs, <int> task_rows, <int> d,
+                mha_fused_attend_f64(q0, q_rs, <int> rows_t, <int> d,
                                      k0, kl, v0, kl, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
                                      limit, step, s.window, row_max, row_sum, acc, work)
-        for r in range(task_rows):
+        for r in range(rows_t):
             if floating is float:
                 mha_finish_row_f32(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
             else:
@@ -351,8 +379,8 @@ cdef inline void *_data(object a) noexcept:
 
 def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
                 object k_scale, object v_scale, object w_in, object b_in, object w_out,
-                object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window,
-                object inv_freq, bint interleaved, int n_threads):
+                object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index,
+                Py_ssize_t window, object inv_freq, bint interleaved, int n_threads):
     """The step's output (B, L, E), having appended the L new keys/values of each sequence to
     the cache at position start; or None, changing nothing, when this shape is not this
     kernel's (the caller then takes the general path). start: an int (every sequence's
@@ -363,8 +391,9 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     that format: mha_cy._cache_formats; int8 with its k_scale, v_scale (B, kv_heads,
     max_len) float32, else None), with start + L <= max_len; w_in (heads * D + 2 *
     kv_heads * D, E) (in_proj_weight), w_out (E, heads * D); biases None or 1-D; window 0
-    (none) or >= 1; inv_freq None (no RoPE) or float64 (pairs,). Layouts (C-contiguity) and
-    dtypes are checked here."""
+    (none) or >= 1; inv_freq None (no RoPE) or float64 (pairs,); kv_index None (even
+    groups) or the module's intp (heads,) K/V head of each query head (a pruned module's
+    uneven groups). Layouts (C-contiguity) and dtypes are checked here."""
     cdef const int64_t *starts = NULL
     cdef Py_ssize_t max_start
     if isinstance(start, int):
@@ -401,27 +430,28 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     else:
         k_scale = v_scale = None
     return _call(x, True, True, max_start, starts, cache_k, cache_v, kv_fmt, k_scale, v_scale,
-                 cshape[3], cshape[2], w_in, b_in, w_out, b_out, heads, kv_heads, window,
-                 inv_freq, interleaved, n_threads)
+                 cshape[3], cshape[2], w_in, b_in, w_out, b_out, heads, kv_heads, kv_index,
+                 window, inv_freq, interleaved, n_threads)
 
 
 def self_attention(cnp.ndarray x, bint causal, object w_in, object b_in, object w_out,
-                   object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim,
-                   Py_ssize_t window, object inv_freq, bint interleaved, int n_threads):
+                   object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index,
+                   Py_ssize_t head_dim, Py_ssize_t window, object inv_freq, bint interleaved,
+                   int n_threads):
     """mha(x) (or mha(x, is_causal=True)) of a small call, or None where this kernel does not
     apply. x (B, L, E) of the module dtype, L >= 1; weights as for decode_step; window only
     with causal; RoPE at positions 0 .. L - 1."""
     return _call(x, False, causal, 0, NULL, None, None, 0, None, None, head_dim, 0, w_in, b_in,
-                 w_out, b_out, heads, kv_heads, window if causal else 0, inv_freq, interleaved,
-                 n_threads)
+                 w_out, b_out, heads, kv_heads, kv_index, window if causal else 0, inv_freq,
+                 interleaved, n_threads)
 
 
 cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
                   const int64_t *starts, object cache_k, object cache_v, int kv_fmt,
                   object k_scale, object v_scale, Py_ssize_t d, Py_ssize_t max_len,
                   object w_in, object b_in, object w_out, object b_out,
-                  Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t window, object inv_freq,
-                  bint interleaved, int n_threads):
+                  Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index, Py_ssize_t window,
+                  object inv_freq, bint interleaved, int n_threads):
     if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
         return None                          # tuning knobs moved a rule of the general path
     cdef int typenum = cnp.PyArray_TYPE(x)
@@ -442,8 +472,25 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     s.interleaved = interleaved
     s.kv_fmt = kv_fmt
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
-    cdef Py_ssize_t group = heads // kv_heads
-    s.heads_as_rows = s.length == 1 and group > 1
+    cdef Py_ssize_t group = heads // kv_heads, g
+    # uneven groups: the general kernel's tasks for them (_attention_kernel._group_starts)
+    cdef const Py_ssize_t[::1] kv_view
+    cdef const Py_ssize_t[::1] starts_view
+    s.kv_index = s.group_start = NULL
+    s.max_group = group
+    if kv_index is not None:
+        if not _c_contiguous(kv_index, cnp.NPY_INTP):
+            return None
+        group_starts = _attention_kernel._group_starts(kv_index, heads, kv_heads)
+        kv_view = kv_index
+        s.kv_index = &kv_view[0]
+        s.max_group = 1
+        if group_starts is not None:
+            starts_view = group_starts
+            s.group_start = &starts_view[0]
+            for g in range(kv_heads):
+                s.max_group = max(s.max_group, starts_view[g + 1] - starts_view[g])
+    s.heads_as_rows = s.length == 1 and s.max_group > 1
     if d > MHA_FUSED_MAX_HEAD_DIM or d < 1 or s.length > ATTN_BLOCK_Q or s.embed < 1:
         return None
     # where _attention_kernel would split the keys of few tasks

@@ -245,15 +245,14 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         batch, length, _ = x.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
-        if self._kv_index is None:         # a small call: one compiled call
-            rope = self.rope
-            out = _step_kernel.self_attention(
-                x, is_causal, self.in_proj_weight, self.in_proj_bias, self.out_weight,
-                self.out_bias, heads, kv_heads, d, self.window or 0,
-                None if rope is None else rope.inv_freq(d),
-                False if rope is None else rope.interleaved, n_threads)
-            if out is not None:
-                return out
+        rope = self.rope                   # a small call: one compiled call
+        out = _step_kernel.self_attention(
+            x, is_causal, self.in_proj_weight, self.in_proj_bias, self.out_weight,
+            self.out_bias, heads, kv_heads, self._kv_index, d, self.window or 0,
+            None if rope is None else rope.inv_freq(d),
+            False if rope is None else rope.interleaved, n_threads)
+        if out is not None:
+            return out
         with blas_single_threaded():
             qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
                                heads + 2 * kv_heads, d)
@@ -295,13 +294,11 @@ class MultiHeadAttention(MultiHeadAttentionBase):
 
     def _compiled_step(self, x, cache, start):
         """_step_kernel.decode_step for this module (None where it does not apply)."""
-        if self._kv_index is not None:
-            return None
         rope = self.rope
         return _step_kernel.decode_step(
             x, start, cache.key, cache.value, cache.key_scale, cache.value_scale,
             self.in_proj_weight, self.in_proj_bias, self.out_weight, self.out_bias,
-            self.num_heads, self.num_kv_heads,
+            self.num_heads, self.num_kv_heads, self._kv_index,
             self.window or 0, None if rope is None else rope.inv_freq(self.head_dim),
             False if rope is None else rope.interleaved, kernel_threads())
 

@@ -10,6 +10,7 @@ import pytest
 
 import mha_cy
 from mha_cy import _attention_kernel, _linear_kernel, _step_kernel, reference
+from mha_cy._pruning import regroup
 from conftest import DTYPES, assert_close
 
 # (embed_dim, num_heads, num_kv_heads, head_dim): MHA, GQA, MQA; head dims below and above
@@ -106,15 +107,15 @@ def test_the_compiled_step_runs_for_small_steps_and_declines_otherwise(rng):
     def step(x, start):
         return _step_kernel.decode_step(x, start, cache.key, cache.value, None, None,
                                         mha.in_proj_weight, mha.in_proj_bias, mha.out_weight,
-                                        mha.out_bias, 4, 2, 0, None, False, 1)
+                                        mha.out_bias, 4, 2, None, 0, None, False, 1)
     assert step(np.zeros((2, 1, 64), np.float32), 16) is not None
     assert step(np.zeros((2, 5, 64), np.float32), 16) is not None     # 10 rows: the panels
     one = mha_cy.MultiHeadAttention(64, 4, num_kv_heads=1, head_dim=16, seed=0)
     long_cache = one.new_cache(1, 4096)
     assert _step_kernel.decode_step(np.zeros((1, 1, 64), np.float32), 2000, long_cache.key,
                                     long_cache.value, None, None, one.in_proj_weight,
-                                    one.in_proj_bias, one.out_weight, one.out_bias, 4, 1, 0,
-                                    None, False, 1) is None             # 1 task over 2001 keys: split-K
+                                    one.in_proj_bias, one.out_weight, one.out_bias, 4, 1, None,
+                                    0, None, False, 1) is None             # 1 task over 2001 keys: split-K
 
 
 def test_tuning_knobs_send_steps_to_the_general_path():
@@ -181,13 +182,11 @@ def test_the_module_takes_the_compiled_step(rng, taken):
                 assert taken == [True], (geometry, rope, even)
 
 
-@pytest.mark.parametrize("case", ["uneven_groups", "split_k", "unaligned", "knob_moved"])
+@pytest.mark.parametrize("case", ["split_k", "unaligned", "knob_moved"])
 def test_a_declined_step_equals_the_general_path_bitwise(rng, taken, case):
     """Where the compiled step declines on an equal-length cache, mha(x, cache=...) takes the
     general path: the same output and cache (keys, values, lengths) as a call with lengths=."""
     mha = _module(rng, (64, 4, 2, 16), np.float32, mha_cy.RoPE(), None)
-    if case == "uneven_groups":        # kv_index: the compiled step is not even asked
-        mha = _module(rng, (64, 8, 2, 8), np.float32, mha_cy.RoPE(), None).prune_heads([1, 5, 6])
     prompt = 1100 if case == "split_k" else 6
     x_prompt = rng.standard_normal((1, prompt, 64)).astype(np.float32)
     x_step = rng.standard_normal((1, 2, 64)).astype(np.float32)
@@ -203,8 +202,7 @@ def test_a_declined_step_equals_the_general_path_bitwise(rng, taken, case):
             else:
                 outs.append(mha(_unaligned(x_step) if case == "unaligned" else x_step,
                                 cache=cache))
-                # it declined (uneven groups: not even asked)
-                assert taken == ([] if case == "uneven_groups" else [False]), case
+                assert taken == [False], case        # it declined
             caches.append(cache)
     finally:
         if previous is not None:
@@ -215,6 +213,57 @@ def test_a_declined_step_equals_the_general_path_bitwise(rng, taken, case):
     np.testing.assert_array_equal(fast.lengths, general.lengths)
     np.testing.assert_array_equal(fast.key, general.key)
     np.testing.assert_array_equal(fast.value, general.value)
+
+
+# Modules with uneven groups (kv_index): pruned GQA modules whose decode tasks have different
+# row counts (groups of 3 and 2 query heads; 1, 2, 2, 2 at head dim 32, the direct kernel; 9
+# and 10, the packed one), and K/V heads shared out of order (a loaded kv_head_index: one task
+# per query head)
+UNEVEN = {
+    "groups_3_2": lambda rng, dtype: _module(rng, (64, 8, 2, 8), dtype, mha_cy.RoPE(),
+                                             None).prune_heads([1, 5, 6]),
+    "groups_1_2_2_2": lambda rng, dtype: _module(rng, (128, 8, 4, 32), dtype, None,
+                                                 4).prune_heads([0]),
+    "groups_9_10": lambda rng, dtype: _module(rng, (64, 20, 2, 16), dtype, None,
+                                              None).prune_heads([0]),
+    "out_of_order": lambda rng, dtype: regroup(_module(rng, (64, 4, 4, 16), dtype,
+                                                       mha_cy.RoPE(), None), [1, 0, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("dtype,fmt", [(np.float64, None), (np.float32, None),
+                                       (np.float32, np.float16), (np.float32, "int8")],
+                         ids=["float64", "float32", "float16_cache", "int8_cache"])
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_uneven_groups_take_the_compiled_calls_bitwise(rng, taken, dtype, fmt, case):
+    """Decode steps (1 and 3 tokens) and small self-attention calls of such modules run
+    compiled and equal the general path bit for bit: outputs and caches."""
+    mha = UNEVEN[case](rng, dtype)
+    assert mha._kv_index is not None
+    for batch, step_len in ((1, 1), (3, 1), (2, 3)):
+        caches = [mha.new_cache(batch, 7 + 4 * step_len, dtype=fmt or dtype) for _ in range(2)]
+        x = rng.standard_normal((batch, 7, mha.embed_dim)).astype(dtype)
+        for cache in caches:
+            mha(x, cache=cache)
+        for _ in range(4):
+            x = rng.standard_normal((batch, step_len, mha.embed_dim)).astype(dtype)
+            taken.clear()
+            fast = mha(x, cache=caches[0])
+            assert taken == [True], (batch, step_len)
+            np.testing.assert_array_equal(fast, mha(x, cache=caches[1],
+                                                    lengths=np.full(batch, step_len)))
+        for name in ("key", "value", "key_scale", "value_scale"):
+            a, b = getattr(caches[0], name), getattr(caches[1], name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), name)
+    ones = np.ones(mha.num_heads, dtype)
+    for causal in (False, True) if mha.window is None else (True,):   # (a window: causal)
+        x = rng.standard_normal((2, 5, mha.embed_dim)).astype(dtype)
+        taken.clear()
+        fast = mha(x, is_causal=causal)
+        assert taken == [True]
+        np.testing.assert_array_equal(fast, mha(x, is_causal=causal, head_mask=ones))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
