@@ -40,8 +40,7 @@ from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64
                           mha_fused_scratch_f64, mha_fused_attend_f32, mha_fused_attend_f64,
                           mha_fused_attend_direct_f32, mha_fused_attend_direct_f64,
                           MHA_KV_F16, MHA_KV_I8, mha_kv_direct_scratch,
-                          mha_kv_attend_direct_f16_f32, mha_kv_attend_direct_i8_f32,
-                          mha_kv_load_f16_f32, mha_kv_load_i8_f32)
+                          mha_kv_attend_f32, mha_kv_load_f16_f32, mha_kv_load_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
                              attention_flops, direct_rows, split_k_parts)
 
@@ -474,6 +473,12 @@ cdef inline void _load_tile(const Problem *p, const void *raw, Py_ssize_t off, P
                            <int> d, dst, d)
 
 
+cdef inline const void *_stored_at(const Problem *p, const void *raw,
+                                   Py_ssize_t off) noexcept nogil:
+    """The address of stored element off (float16: 2 bytes, int8: 1)."""
+    return <const char *> raw + off * (2 if p.kv_fmt == MHA_KV_F16 else 1)
+
+
 cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float scale,
                               const float *q, float *out, const float *mask,
                               const unsigned char *pad, float *scores, float *conv,
@@ -498,48 +503,35 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     if p.causal:
         limit, step = task.i0 + _offset(p, task.b) + 1, task.di
 
-    if fused and direct_rows(task.rows, p.d, FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D):
-        if p.kv_fmt == MHA_KV_F16:
-            mha_kv_attend_direct_f16_f32(q0, task.q_rs, <int> task.rows, <int> p.d,
-                                         <const unsigned short *> p.k_raw + task.k_off, p.kl,
-                                         <const unsigned short *> p.v_raw + task.v_off, p.vl,
-                                         <int> p.dv, k_begin, k_end, scale, m0, task.m_rs,
-                                         p.mk, pad_row, limit, step, p.window, row_max,
-                                         row_sum, acc, scores)
-        else:
-            mha_kv_attend_direct_i8_f32(q0, task.q_rs, <int> task.rows, <int> p.d,
-                                        <const signed char *> p.k_raw + task.k_off, p.kl, ks,
-                                        <const signed char *> p.v_raw + task.v_off, p.vl, vs,
-                                        <int> p.dv, k_begin, k_end, scale, m0, task.m_rs,
-                                        p.mk, pad_row, limit, step, p.window, row_max,
-                                        row_sum, acc, scores)
-        k_end = k_begin          # (no tiles)
+    if fused:           # (src/kv_format.c: the direct kernel or converted tiles)
+        mha_kv_attend_f32(p.kv_fmt, direct_rows(task.rows, p.d, FUSED_DIRECT_ROWS,
+                                                FUSED_DIRECT_MIN_D),
+                          q0, task.q_rs, <int> task.rows, <int> p.d,
+                          _stored_at(p, p.k_raw, task.k_off), p.kl, ks,
+                          _stored_at(p, p.v_raw, task.v_off), p.vl, vs,
+                          <int> p.dv, k_begin, k_end, scale, m0, task.m_rs, p.mk, pad_row,
+                          limit, step, p.window, row_max, row_sum, acc, scores, conv,
+                          p.block_k)
+        k_end = k_begin          # (done)
     j0 = k_begin
-    while j0 < k_end:
+    while j0 < k_end:           # BLAS tiles
         nk = min(p.block_k, k_end - j0)
         _load_tile(p, p.k_raw, task.k_off, p.kl, ks, j0, nk, p.d, kt)
         _load_tile(p, p.v_raw, task.v_off, p.vl, vs, j0, nk, p.dv, vt)
-        if fused:       # the tile's keys are 0 .. nk - 1 to the kernel: shift what counts keys
-            mha_fused_attend_f32(q0, task.q_rs, <int> task.rows, <int> p.d, kt, p.d, vt, p.dv,
-                                 <int> p.dv, 0, nk, scale,
-                                 NULL if m0 == NULL else m0 + j0 * p.mk, task.m_rs, p.mk,
-                                 NULL if pad_row == NULL else pad_row + j0, limit - j0, step,
-                                 p.window, row_max, row_sum, acc, scores)
-        else:
-            _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0,
-                  <int> task.q_rs, kt, <int> p.d, <float> 0, scores, <int> p.block_k)
-            for r in range(task.rows):
-                _row_softmax_online(scores + r * p.block_k, nk,
-                                    NULL if m0 == NULL else m0 + r * task.m_rs + j0 * p.mk,
-                                    p.mk, NULL if pad_row == NULL else pad_row + j0,
-                                    _n_skip(p, &task, r, j0, nk), _n_valid(p, &task, r, j0, nk),
-                                    &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
-            memcpy(saved, acc, task.rows * p.dv * sizeof(float))     # see _attend_task
-            _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <float> 1, scores,
-                  <int> p.block_k, vt, <int> p.dv, <float> 1, acc, <int> p.dv)
-            if not _all_finite(acc, task.rows, p.dv, p.dv):
-                memcpy(acc, saved, task.rows * p.dv * sizeof(float))
-                _pv_exact(scores, p.block_k, task.rows, nk, vt, p.dv, acc, p.dv, p.dv)
+        _gemm(NoTrans, Trans, <int> task.rows, <int> nk, <int> p.d, scale, q0,
+              <int> task.q_rs, kt, <int> p.d, <float> 0, scores, <int> p.block_k)
+        for r in range(task.rows):
+            _row_softmax_online(scores + r * p.block_k, nk,
+                                NULL if m0 == NULL else m0 + r * task.m_rs + j0 * p.mk,
+                                p.mk, NULL if pad_row == NULL else pad_row + j0,
+                                _n_skip(p, &task, r, j0, nk), _n_valid(p, &task, r, j0, nk),
+                                &row_max[r], &row_sum[r], acc + r * p.dv, p.dv)
+        memcpy(saved, acc, task.rows * p.dv * sizeof(float))     # see _attend_task
+        _gemm(NoTrans, NoTrans, <int> task.rows, <int> p.dv, <int> nk, <float> 1, scores,
+              <int> p.block_k, vt, <int> p.dv, <float> 1, acc, <int> p.dv)
+        if not _all_finite(acc, task.rows, p.dv, p.dv):
+            memcpy(acc, saved, task.rows * p.dv * sizeof(float))
+            _pv_exact(scores, p.block_k, task.rows, nk, vt, p.dv, acc, p.dv, p.dv)
         j0 += nk
     if finish:
         for r in range(task.rows):

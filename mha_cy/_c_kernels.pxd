@@ -94,23 +94,14 @@ cdef extern from "kv_format.h" nogil:
     int MHA_KV_F16
     int MHA_KV_I8
     Py_ssize_t mha_kv_direct_scratch()
-    void mha_kv_attend_direct_f16_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
-                                      const unsigned short *k, Py_ssize_t k_rs,
-                                      const unsigned short *v, Py_ssize_t v_rs, int dv,
-                                      Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
-                                      const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
-                                      const unsigned char *pad, Py_ssize_t limit,
-                                      Py_ssize_t limit_step, Py_ssize_t window, float *m,
-                                      float *l, float *acc, float *work)
-    void mha_kv_attend_direct_i8_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
-                                     const signed char *k, Py_ssize_t k_rs,
-                                     const float *k_scale, const signed char *v,
-                                     Py_ssize_t v_rs, const float *v_scale, int dv,
-                                     Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
-                                     const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
-                                     const unsigned char *pad, Py_ssize_t limit,
-                                     Py_ssize_t limit_step, Py_ssize_t window, float *m,
-                                     float *l, float *acc, float *work)
+    void mha_kv_attend_f32(int fmt, int direct, const float *q, Py_ssize_t q_rs, int rows,
+                           int d, const void *k, Py_ssize_t k_rs, const float *k_scale,
+                           const void *v, Py_ssize_t v_rs, const float *v_scale, int dv,
+                           Py_ssize_t k_begin, Py_ssize_t k_end, float scale,
+                           const float *add, Py_ssize_t add_rs, Py_ssize_t add_ks,
+                           const unsigned char *pad, Py_ssize_t limit, Py_ssize_t limit_step,
+                           Py_ssize_t window, float *m, float *l, float *acc, float *work,
+                           float *conv, Py_ssize_t block_k)
     void mha_kv_load_f16_f32(const unsigned short *src, Py_ssize_t src_rs, int n, int d,
                              float *dst, Py_ssize_t dst_rs)
     void mha_kv_load_i8_f32(const signed char *src, Py_ssize_t src_rs, const float *scale,

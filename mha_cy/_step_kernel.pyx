@@ -52,8 +52,7 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_fused_scratch_f32, mha_fused_scratch_f64, mha_fused_attend_f32,
                           mha_fused_attend_f64, mha_fused_attend_direct_f32,
                           mha_fused_attend_direct_f64, MHA_KV_F16, MHA_KV_I8,
-                          mha_kv_direct_scratch, mha_kv_attend_direct_f16_f32,
-                          mha_kv_attend_direct_i8_f32, mha_kv_load_f16_f32, mha_kv_load_i8_f32,
+                          mha_kv_direct_scratch, mha_kv_attend_f32,
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
                              PANEL_TILE_WEIGHT_BYTES, attention_flops, direct_rows,
@@ -156,51 +155,6 @@ cdef inline void _store(int kv_fmt, const floating *src, void *cache, float *sca
     memcpy(<floating *> cache + dst, src, d * sizeof(floating))
 
 
-cdef void _stored_attend(const Step *s, const float *q0, Py_ssize_t q_rs, Py_ssize_t rows,
-                         const void *k0, const void *v0, const float *ks, const float *vs,
-                         Py_ssize_t k_begin, Py_ssize_t k_end, float scale, Py_ssize_t limit,
-                         Py_ssize_t step, float *row_max, float *row_sum, float *acc,
-                         float *work, float *conv) noexcept nogil:
-    """One task over a float16 / int8 cache (K/V head at k0, v0; int8: its scales at ks, vs),
-    as _attention_kernel's _stored_attend_task runs it without masks or split-K: the direct
-    kernel over the stored values for few rows, else one converted tile of block_k keys and
-    values at a time (conv: block_k * 2 * d floats) through the fused kernel."""
-    cdef Py_ssize_t d = s.d, j0 = k_begin, nk
-    cdef float *kt = conv
-    cdef float *vt = conv + s.block_k * d
-    if _direct_rows(rows, d):
-        if s.kv_fmt == MHA_KV_F16:
-            mha_kv_attend_direct_f16_f32(q0, q_rs, <int> rows, <int> d,
-                                         <const unsigned short *> k0, d,
-                                         <const unsigned short *> v0, d, <int> d, k_begin,
-                                         k_end, scale, NULL, 0, 0, NULL, limit, step, s.window,
-                                         row_max, row_sum, acc, work)
-        else:
-            mha_kv_attend_direct_i8_f32(q0, q_rs, <int> rows, <int> d,
-                                        <const signed char *> k0, d, ks,
-                                        <const signed char *> v0, d, vs, <int> d, k_begin,
-                                        k_end, scale, NULL, 0, 0, NULL, limit, step, s.window,
-                                        row_max, row_sum, acc, work)
-        return
-    while j0 < k_end:
-        nk = min(s.block_k, k_end - j0)
-        if s.kv_fmt == MHA_KV_F16:
-            mha_kv_load_f16_f32(<const unsigned short *> k0 + j0 * d, d, <int> nk, <int> d,
-                                kt, d)
-            mha_kv_load_f16_f32(<const unsigned short *> v0 + j0 * d, d, <int> nk, <int> d,
-                                vt, d)
-        else:
-            mha_kv_load_i8_f32(<const signed char *> k0 + j0 * d, d, ks + j0, <int> nk,
-                               <int> d, kt, d)
-            mha_kv_load_i8_f32(<const signed char *> v0 + j0 * d, d, vs + j0, <int> nk,
-                               <int> d, vt, d)
-        # the tile's keys are 0 .. nk - 1 to the kernel: shift what counts keys
-        mha_fused_attend_f32(q0, q_rs, <int> rows, <int> d, kt, d, vt, d, <int> d, 0, nk, scale,
-                             NULL, 0, 0, NULL, limit - j0, step, s.window, row_max, row_sum,
-                             acc, work)
-        j0 += nk
-
-
 cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
               const floating *b_in, const floating *w_out, const floating *b_out,
               void *cache_k, void *cache_v, float *k_scale, float *v_scale,
@@ -243,6 +197,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *sin = cos + s.length * s.half
     cdef floating *conv = sin + s.length * s.half
     cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, limit, step, q_rs, o_rs
+    cdef Py_ssize_t kv_isz = 2 if s.kv_fmt == MHA_KV_F16 else 1     # a stored element's bytes
     cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
     # where K/V head g of sequence b starts, and the stride of its keys
     cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d, kv_off, row
@@ -324,15 +279,14 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         if s.kv_fmt != 0:
             if floating is float:             # (stored formats: float32 modules only)
                 kv_off = b * kb + g * kh
-                if s.kv_fmt == MHA_KV_F16:
-                    _stored_attend(s, q0, q_rs, rows_t, <unsigned short *> cache_k + kv_off,
-                                   <unsigned short *> cache_v + kv_off, NULL, NULL, k_begin,
-                                   k_len, scale, limit, step, row_max, row_sum, acc, work, conv)
-                else:
-                    _stored_attend(s, q0, q_rs, rows_t, <signed char *> cache_k + kv_off,
-                                   <signed char *> cache_v + kv_off, k_scale + kv_off // d,
-                                   v_scale + kv_off // d, k_begin, k_len, scale, limit, step,
-                                   row_max, row_sum, acc, work, conv)
+                # as _attention_kernel's _stored_attend_task runs it without masks or split-K
+                mha_kv_attend_f32(s.kv_fmt, _direct_rows(rows_t, d), q0, q_rs, <int> rows_t,
+                                  <int> d, <const char *> cache_k + kv_off * kv_isz, d,
+                                  k_scale + kv_off // d if k_scale != NULL else NULL,
+                                  <const char *> cache_v + kv_off * kv_isz, d,
+                                  v_scale + kv_off // d if v_scale != NULL else NULL, <int> d,
+                                  k_begin, k_len, scale, NULL, 0, 0, NULL, limit, step,
+                                  s.window, row_max, row_sum, acc, work, conv, s.block_k)
         elif _direct_rows(rows_t, d):
             if floating is float:
                 mha_fused_attend_direct_f32(q0, q_rs, <int> rows_t, <int> d,

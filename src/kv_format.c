@@ -3,6 +3,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "attention_microkernel.h"
 #include "attention_tile.h"
 #include "kv_format.h"
 #include "simd_dispatch.h"
@@ -76,3 +77,43 @@ void mha_kv_load_i8_f32(const int8_t *src, ptrdiff_t src_rs, const float *scale,
     MHA_SIMD_CALL(mha_kv_load_i8_f32, (src, src_rs, scale, n, d, dst, dst_rs))
 }
 #endif
+
+void mha_kv_attend_f32(int fmt, int direct, const float *q, ptrdiff_t q_rs, int rows, int d,
+                       const void *k, ptrdiff_t k_rs, const float *k_scale, const void *v,
+                       ptrdiff_t v_rs, const float *v_scale, int dv, ptrdiff_t k_begin,
+                       ptrdiff_t k_end, float scale, const float *add, ptrdiff_t add_rs,
+                       ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+                       ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l, float *acc,
+                       float *work, float *conv, ptrdiff_t block_k)
+{
+    if (direct) {
+        if (fmt == MHA_KV_F16)
+            mha_kv_attend_direct_f16_f32(q, q_rs, rows, d, (const uint16_t *)k, k_rs,
+                                         (const uint16_t *)v, v_rs, dv, k_begin, k_end, scale,
+                                         add, add_rs, add_ks, pad, limit, limit_step, window,
+                                         m, l, acc, work);
+        else
+            mha_kv_attend_direct_i8_f32(q, q_rs, rows, d, (const int8_t *)k, k_rs, k_scale,
+                                        (const int8_t *)v, v_rs, v_scale, dv, k_begin, k_end,
+                                        scale, add, add_rs, add_ks, pad, limit, limit_step,
+                                        window, m, l, acc, work);
+        return;
+    }
+    float *kt = conv, *vt = conv + block_k * d;
+    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += block_k) {
+        int nk = (int)(k_end - j0 < block_k ? k_end - j0 : block_k);
+        if (fmt == MHA_KV_F16) {
+            mha_kv_load_f16_f32((const uint16_t *)k + j0 * k_rs, k_rs, nk, d, kt, d);
+            mha_kv_load_f16_f32((const uint16_t *)v + j0 * v_rs, v_rs, nk, dv, vt, dv);
+        } else {
+            mha_kv_load_i8_f32((const int8_t *)k + j0 * k_rs, k_rs, k_scale + j0, nk, d, kt, d);
+            mha_kv_load_i8_f32((const int8_t *)v + j0 * v_rs, v_rs, v_scale + j0, nk, dv, vt,
+                               dv);
+        }
+        /* the tile's keys are 0 .. nk - 1 to the kernel: shift what counts keys */
+        mha_fused_attend_f32(q, q_rs, rows, d, kt, d, vt, dv, dv, 0, nk, scale,
+                             add == NULL ? NULL : add + j0 * add_ks, add_rs, add_ks,
+                             pad == NULL ? NULL : pad + j0, limit - j0, limit_step, window, m,
+                             l, acc, work);
+    }
+}

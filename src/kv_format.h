@@ -67,6 +67,22 @@ void mha_kv_load_f16_f32(const uint16_t *src, ptrdiff_t src_rs, int n, int d, fl
 void mha_kv_load_i8_f32(const int8_t *src, ptrdiff_t src_rs, const float *scale, int n, int d,
                         float *dst, ptrdiff_t dst_rs);
 
+/* One task's attention over a stored K/V head, as the fused kernels run it: the direct
+ * kernel above where `direct` (the callers' rule for few rows), else one tile of block_k keys
+ * at a time converted by mha_kv_load_* into conv (block_k * (d + dv) floats: keys, then
+ * values) and run through mha_fused_attend_f32 (attention_microkernel.h), its key counts
+ * shifted to the tile. The other arguments are mha_kv_attend_direct_*'s, k and v pointing at
+ * the head's key 0 (fmt: MHA_KV_F16 or MHA_KV_I8; the scales NULL for float16); work:
+ * max(mha_kv_direct_scratch(), mha_fused_scratch_f32(d)) floats. Shared by the general
+ * attention kernel and the compiled step, so both give the same bits. */
+void mha_kv_attend_f32(int fmt, int direct, const float *q, ptrdiff_t q_rs, int rows, int d,
+                       const void *k, ptrdiff_t k_rs, const float *k_scale, const void *v,
+                       ptrdiff_t v_rs, const float *v_scale, int dv, ptrdiff_t k_begin,
+                       ptrdiff_t k_end, float scale, const float *add, ptrdiff_t add_rs,
+                       ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+                       ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l, float *acc,
+                       float *work, float *conv, ptrdiff_t block_k);
+
 #ifdef __cplusplus
 }
 #endif
