@@ -263,6 +263,16 @@ cdef inline Py_ssize_t _fused_scratch(const Problem *p, bint fused, floating dum
         return mha_fused_scratch_f64(<int> p.d)
 
 
+cdef inline void _causal_limit(const Problem *p, const Task *task, Py_ssize_t k_end,
+                               Py_ssize_t *limit, Py_ssize_t *step) noexcept nogil:
+    """The fused kernels' causal limit (that of _n_valid): row r of the task sees keys
+    j < limit + r * step (and, with a window, j >= limit + r * step - window); not causal:
+    k_end, step 0."""
+    limit[0], step[0] = k_end, 0
+    if p.causal:
+        limit[0], step[0] = task.i0 + _offset(p, task.b) + 1, task.di
+
+
 cdef inline void _fused_attend(const Problem *p, const Task *task, floating scale,
                                const floating *q0, const floating *k0, const floating *v0,
                                const floating *m0, const unsigned char *pad_row,
@@ -270,11 +280,8 @@ cdef inline void _fused_attend(const Problem *p, const Task *task, floating scal
                                floating *row_max, floating *row_sum,
                                floating *work) noexcept nogil:
     """The keys [k_begin, k_end) of the task's rows with the fused tile kernel."""
-    # the causal limit of _n_valid: row r sees keys j < limit + r * step (and, with a
-    # window, j >= limit + r * step - window)
-    cdef Py_ssize_t limit = k_end, step = 0
-    if p.causal:
-        limit, step = task.i0 + _offset(p, task.b) + 1, task.di
+    cdef Py_ssize_t limit, step
+    _causal_limit(p, task, k_end, &limit, &step)
     # a rule of the shapes: thread-count invariant
     if direct_rows(task.rows, p.d, FUSED_DIRECT_ROWS, FUSED_DIRECT_MIN_D):
         if floating is float:
@@ -499,9 +506,8 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
     cdef const float *vs = NULL if p.v_scale == NULL else p.v_scale + s_off
     cdef float *kt = conv
     cdef float *vt = conv + p.block_k * p.d
-    cdef Py_ssize_t limit = k_end, step = 0
-    if p.causal:
-        limit, step = task.i0 + _offset(p, task.b) + 1, task.di
+    cdef Py_ssize_t limit, step
+    _causal_limit(p, &task, k_end, &limit, &step)
 
     if fused:           # (src/kv_format.c: the direct kernel or converted tiles)
         mha_kv_attend_f32(p.kv_fmt, direct_rows(task.rows, p.d, FUSED_DIRECT_ROWS,
