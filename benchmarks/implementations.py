@@ -291,7 +291,7 @@ class TorchSDPA(_Torch):
         notes = ("F.linear x3, K/V written into a preallocated cache, "
                  "F.scaled_dot_product_attention(enable_gqa=True), F.linear")
         if w.lengths is not None:
-            return self._ragged_step(w, d, kc, vc, notes)
+            return self._ragged_step(w, x, (wq, wk, wv, wo, bq, bk, bv, bo), kc, vc, notes)
         # a sliding window: the step's query sees the last `window` keys, so a user slices them
         first = 0 if w.window is None else max(0, P + 1 - w.window)
         if w.window is not None:
@@ -308,14 +308,13 @@ class TorchSDPA(_Torch):
         return Prepared(run, to_numpy=lambda o: o.numpy(), notes=notes)
 
     @staticmethod
-    def _ragged_step(w, d, kc, vc, notes):
+    def _ragged_step(w, x, weights, kc, vc, notes):
         """A ragged batch: sequence b writes its step's K/V at its own position lengths[b] and
         attends over its first lengths[b] + 1 slots; a bool attn_mask (B, 1, 1, max + 1) hides
-        the rest (the padding's K/V that the preallocated cache holds there)."""
+        the rest (the padding's K/V that the preallocated cache holds there). x, weights: the
+        step's tensors as prepare made them (wq, wk, wv, wo, bq, bk, bv, bo)."""
         B, Hq, Hkv, D = w.B, w.Hq, w.Hkv, w.D
-        wq, wk, wv, wo = (_t(d[n]) for n in ("wq", "wk", "wv", "wo"))
-        bq, bk, bv, bo = (_t(d[n]) for n in ("bq", "bk", "bv", "bo"))
-        x = _t(d["x"])
+        wq, wk, wv, wo, bq, bk, bv, bo = weights
         pos = torch.tensor(w.cached)
         rows = torch.arange(B)
         stop = max(w.cached) + 1
