@@ -8,7 +8,8 @@
    passed as key_padding_mask), and prints the cosine of the two embeddings of each sentence.
 2. Times one layer's attention (self-attention + output projection) and the whole model
    (model.encode of a padded batch), torch and mha_cy at the same thread count. Best of
-   --repeats runs after a warm-up; on a shared machine these figures are only indicative.
+   --repeats rounds after a warm-up, each round running torch then mha_cy; on a shared machine
+   these figures are only indicative.
 """
 import argparse
 import copy
@@ -45,14 +46,20 @@ def agreement(original, dropin, sentences=SENTENCES):
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-def best_time(fn, repeats, clock=time.perf_counter):
-    fn()                                            # warm-up
-    times = []
+def best_times(fns, repeats, clock=time.perf_counter):
+    """The best time of each function over `repeats` rounds, after a warm-up. A round runs
+    every function once, in turn, so that all of them see the same state of a shared machine
+    (timing all repeats of one before the next swung the whole-model ratio from 0.7x to 1.0x
+    between runs here; alternating, it held at 1.03-1.05x)."""
+    for fn in fns:
+        fn()                                        # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return min(times)
+        for i, fn in enumerate(fns):
+            start = clock()
+            fn()
+            best[i] = min(best[i], clock() - start)
+    return tuple(best)
 
 
 def attention_inputs(original, sentences):
@@ -103,10 +110,9 @@ def timings(original, dropin, threads, batch, repeats, clock=time.perf_counter):
             model.encode(sentences, batch_size=batch)
 
     return {
-        "attention (layer 0)": (best_time(torch_attention, repeats, clock),
-                                best_time(mha_cy_attention, repeats, clock)),
-        "whole model (encode)": (best_time(lambda: encode(original), repeats, clock),
-                                 best_time(lambda: encode(dropin), repeats, clock)),
+        "attention (layer 0)": best_times([torch_attention, mha_cy_attention], repeats, clock),
+        "whole model (encode)": best_times([lambda: encode(original), lambda: encode(dropin)],
+                                           repeats, clock),
     }, tuple(x.shape)
 
 

@@ -116,3 +116,18 @@ def test_load_minilm_one_layer_and_bad_layers(minilm):
         _minilm.load_minilm(layer=6)
     with pytest.raises(TypeError, match="layer must be an int"):
         _minilm.load_minilm(layer="1")
+
+
+def test_example_times_torch_and_mha_cy_in_alternation(example):
+    """Each round runs every function once, in turn (the same machine state for both), and
+    each result is that function's best time."""
+    calls, now = [], [0.0]
+    durations = {"a": iter([9, 2, 1, 3]), "b": iter([9, 5, 3, 4])}   # warm-up, then 3 rounds
+
+    def run(name):
+        calls.append(name)
+        now[0] += next(durations[name])
+
+    best = example.best_times([lambda: run("a"), lambda: run("b")], 3, lambda: now[0])
+    assert calls == ["a", "b"] * 4
+    assert best == (1, 3)
