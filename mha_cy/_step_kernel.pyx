@@ -327,6 +327,21 @@ cdef inline bint _c_contiguous(object a, int typenum) noexcept:
             and cnp.PyArray_ISALIGNED(<cnp.ndarray> a))
 
 
+cdef inline Py_ssize_t _shape_0(object a) noexcept:
+    return cnp.PyArray_DIMS(<cnp.ndarray> a)[0]
+
+
+cdef inline bint _shape_1d(object a, Py_ssize_t n) noexcept:
+    """a (an ndarray) has shape (n,)."""
+    return cnp.PyArray_NDIM(<cnp.ndarray> a) == 1 and _shape_0(a) == n
+
+
+cdef inline bint _shape_2d(object a, Py_ssize_t n0, Py_ssize_t n1) noexcept:
+    """a (an ndarray) has shape (n0, n1)."""
+    return (cnp.PyArray_NDIM(<cnp.ndarray> a) == 2 and _shape_0(a) == n0
+            and cnp.PyArray_DIMS(<cnp.ndarray> a)[1] == n1)
+
+
 cdef inline void *_data(object a) noexcept:
     return NULL if a is None else cnp.PyArray_DATA(<cnp.ndarray> a)
 
@@ -340,14 +355,15 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     kernel's (the caller then takes the general path). start: an int (every sequence's
     cached length) or an int64 (B,) array of them (a ragged cache).
 
-    The caller has checked: x (B, L, E) of the module dtype, L >= 1; cache_k, cache_v (B,
-    kv_heads, max_len, D) of that dtype, or float16 / int8 (a float32 module's cache in
-    that format: mha_cy._cache_formats; int8 with its k_scale, v_scale (B, kv_heads,
-    max_len) float32, else None), with start + L <= max_len; w_in (heads * D + 2 *
-    kv_heads * D, E) (in_proj_weight), w_out (E, heads * D); biases None or 1-D; window 0
-    (none) or >= 1; inv_freq None (no RoPE) or float64 (pairs,); kv_index None (even
-    groups) or the module's intp (heads,) K/V head of each query head (a pruned module's
-    uneven groups). Layouts (C-contiguity) and dtypes are checked here."""
+    Expected (anything else returns None): x (B, L, E) of the module dtype, L >= 1; cache_k,
+    cache_v (B, kv_heads, max_len, D) of that dtype, or float16 / int8 (a float32 module's
+    cache in that format: mha_cy._cache_formats; int8 with its k_scale, v_scale (B,
+    kv_heads, max_len) float32, else None), with start + L <= max_len (the caller raises
+    the overflow first); w_in (heads * D + 2 * kv_heads * D, E) (in_proj_weight), w_out
+    (E, heads * D); biases None or 1-D; inv_freq None (no RoPE) or float64 (pairs <= D /
+    2,); all C-contiguous. The caller has checked: window 0 (none) or >= 1; kv_index None
+    (even groups) or the module's intp (heads,) K/V head of each query head (a pruned
+    module's uneven groups)."""
     cdef const int64_t *starts = NULL
     cdef Py_ssize_t max_start
     if isinstance(start, int):
@@ -374,6 +390,14 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     if not (_c_contiguous(cache_k, stored) and _c_contiguous(cache_v, stored)):
         return None
     cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
+    cdef cnp.npy_intp *vshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_v)
+    # the cache's geometry (the module's fast path leaves it to this check)
+    if not (cnp.PyArray_NDIM(x) == 3 and cnp.PyArray_NDIM(<cnp.ndarray> cache_k) == 4
+            and cnp.PyArray_NDIM(<cnp.ndarray> cache_v) == 4
+            and cshape[0] == vshape[0] == x.shape[0] and cshape[1] == vshape[1] == kv_heads
+            and cshape[2] == vshape[2] and cshape[3] == vshape[3]
+            and x.shape[0] >= 1 and x.shape[1] >= 1 and max_start + x.shape[1] <= cshape[2]):
+        return None
     cdef Py_ssize_t positions = cshape[0] * cshape[1] * cshape[2]
     if kv_fmt == MHA_KV_I8:
         if not (_c_contiguous(k_scale, cnp.NPY_FLOAT32)
@@ -415,14 +439,23 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
             and _c_contiguous(w_out, typenum)
             and (b_in is None or _c_contiguous(b_in, typenum))
             and (b_out is None or _c_contiguous(b_out, typenum))
-            and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))):
+            and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))
+            and cnp.PyArray_NDIM(x) == 3):
+        return None
+    # the shapes the raw-pointer loops rely on: a mismatch takes the general path, which
+    # names it
+    cdef Py_ssize_t n_in = (heads + 2 * kv_heads) * d, embed = x.shape[2]
+    if not (_shape_2d(w_in, n_in, embed) and _shape_2d(w_out, embed, heads * d)
+            and (b_in is None or _shape_1d(b_in, n_in))
+            and (b_out is None or _shape_1d(b_out, embed))
+            and (inv_freq is None or 2 * _shape_0(inv_freq) <= d)):
         return None
     cdef Step s
     s.batch, s.length, s.embed = x.shape[0], x.shape[1], x.shape[2]
     s.heads, s.kv_heads, s.d = heads, kv_heads, d
     s.n_in, s.start, s.max_len, s.window = (heads + 2 * kv_heads) * d, max_start, max_len, window
     s.cached, s.causal = cached, causal
-    s.half = 0 if inv_freq is None else cnp.PyArray_DIMS(<cnp.ndarray> inv_freq)[0]
+    s.half = 0 if inv_freq is None else _shape_0(inv_freq)
     s.interleaved = interleaved
     s.kv_fmt = kv_fmt
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest

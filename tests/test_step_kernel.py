@@ -118,6 +118,45 @@ def test_the_compiled_step_runs_for_small_steps_and_declines_otherwise(rng):
                                     0, None, False, 1) is None             # 1 task over 2001 keys: split-K
 
 
+def test_the_compiled_step_declines_every_shape_it_does_not_fit(rng):
+    """decode_step checks the shapes its raw-pointer loops rely on (the module's fast path
+    leaves them to it): each mismatch returns None (the general path then names it), never
+    reads or writes out of bounds."""
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    cache = mha.new_cache(2, 8)
+    x = np.zeros((2, 1, 64), np.float32)
+    good = dict(x=x, start=4, k=cache.key, v=cache.value, w_in=mha.in_proj_weight,
+                b_in=mha.in_proj_bias, w_out=mha.out_weight, b_out=mha.out_bias, kv_heads=2,
+                inv_freq=None)
+
+    def step(**changes):
+        a = {**good, **changes}
+        return _step_kernel.decode_step(a["x"], a["start"], a["k"], a["v"], None, None,
+                                        a["w_in"], a["b_in"], a["w_out"], a["b_out"], 4,
+                                        a["kv_heads"], None, 0, a["inv_freq"], False, 1)
+    assert step() is not None
+    before = cache.key.copy()
+    for name, changes in {
+            "2-D x": dict(x=np.zeros((2, 64), np.float32)),
+            "batch": dict(x=np.zeros((3, 1, 64), np.float32)),
+            "embed": dict(x=np.zeros((2, 1, 48), np.float32)),
+            "no tokens": dict(x=np.zeros((2, 0, 64), np.float32)),
+            "dtype": dict(x=x.astype(np.float64)),
+            "no room": dict(start=8),
+            "no room, ragged": dict(start=np.array([3, 8])),
+            "kv heads": dict(kv_heads=1),
+            "3-D cache": dict(k=cache.key[0], v=cache.value[0]),
+            "value shape": dict(v=np.zeros((2, 2, 9, 16), np.float32)),
+            "w_in": dict(w_in=np.zeros((96, 64), np.float32)),
+            "b_in": dict(b_in=np.zeros(95, np.float32)),
+            "w_out": dict(w_out=np.zeros((64, 32), np.float32)),
+            "b_out": dict(b_out=np.zeros((1, 64), np.float32)),
+            "inv_freq": dict(inv_freq=np.ones(9)),
+    }.items():
+        assert step(**changes) is None, name
+    np.testing.assert_array_equal(cache.key, before)
+
+
 def test_tuning_knobs_send_steps_to_the_general_path():
     previous = _attention_kernel._set_tile_kernel("blas")
     try:
