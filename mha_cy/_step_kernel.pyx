@@ -30,7 +30,9 @@ Measured (E = 64, 4 heads, 16 cached tokens, one decode step, 1 thread, CPU time
 2-core Zen 1): float32 / float16 / int8 cache 14 / 15 / 15 us here; the general path took
 120 / 230 us for float16 / int8 before (107 / 117 with its encode in C). A pruned module (the
 same without head 0: K/V groups of 1 and 2 heads) took the general path before: step 110 ->
-22 us, mha(x) of 16 tokens 80 -> 32 us (wall time, step including a truncate).
+22 us, mha(x) of 16 tokens 80 -> 32 us (wall time, step including a truncate). Key padding
+(mha(x, key_padding_mask=...)) is skipped at either end of each sequence's keys as
+_attention_kernel's _task skips it: that layer's padded call 152 -> 64 us.
 """
 cimport numpy as cnp
 from libc.math cimport INFINITY, sqrt
@@ -82,6 +84,7 @@ cdef struct Step:
     const Py_ssize_t *kv_index
     const Py_ssize_t *group_start
     Py_ssize_t max_group      # the most query heads of one K/V head
+    const unsigned char *pad  # self-attention's key padding, (batch, length) flags; or NULL
 
 
 cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
@@ -196,7 +199,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *cos = work + work_size
     cdef floating *sin = cos + s.length * s.half
     cdef floating *conv = sin + s.length * s.half
-    cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, limit, step, q_rs, o_rs
+    cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, k_end, limit, step, q_rs, o_rs
+    cdef const unsigned char *pad_row = NULL
     cdef Py_ssize_t kv_isz = 2 if s.kv_fmt == MHA_KV_F16 else 1     # a stored element's bytes
     cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
     # where K/V head g of sequence b starts, and the stride of its keys
@@ -259,10 +263,17 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         start = s.start if starts == NULL else starts[b]
         k_len, limit, k_begin = start + s.length, start + 1, 0
         step = 0 if s.heads_as_rows else 1
-        if not s.causal:
-            limit, step = k_len, 0
-        elif s.window > 0:
+        if s.causal and s.window > 0:
             k_begin = min(k_len, max(<Py_ssize_t> 0, start + 1 - s.window))
+        k_end = k_len
+        if s.pad != NULL:         # padded keys at either end are skipped, as _task skips them
+            pad_row = s.pad + b * s.length
+            while k_end > 0 and pad_row[k_end - 1]:
+                k_end -= 1
+            while k_begin < k_end and pad_row[k_begin]:
+                k_begin += 1
+        if not s.causal:
+            limit, step = k_end, 0
         if s.cached:
             if s.kv_fmt == 0:
                 k0 = <const floating *> cache_k + b * kb + g * kh
@@ -285,28 +296,30 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                                   k_scale + kv_off // d if k_scale != NULL else NULL,
                                   <const char *> cache_v + kv_off * kv_isz, d,
                                   v_scale + kv_off // d if v_scale != NULL else NULL, <int> d,
-                                  k_begin, k_len, scale, NULL, 0, 0, NULL, limit, step,
+                                  k_begin, k_end, scale, NULL, 0, 0, pad_row, limit, step,
                                   s.window, row_max, row_sum, acc, work, conv, s.block_k)
         elif _direct_rows(rows_t, d):
             if floating is float:
                 mha_fused_attend_direct_f32(q0, q_rs, <int> rows_t, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
-                                            k_len, scale, NULL, 0, 0, NULL, limit, step,
+                                            k_end, scale, NULL, 0, 0, pad_row, limit, step,
                                             s.window, row_max, row_sum, acc, work)
             else:
                 mha_fused_attend_direct_f64(q0, q_rs, <int> rows_t, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
-                                            k_len, scale, NULL, 0, 0, NULL, limit, step,
+                                            k_end, scale, NULL, 0, 0, pad_row, limit, step,
                                             s.window, row_max, row_sum, acc, work)
         else:
             if floating is float:
                 mha_fused_attend_f32(q0, q_rs, <int> rows_t, <int> d,
-                                     k0, kl, v0, kl, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
-                                     limit, step, s.window, row_max, row_sum, acc, work)
+                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, NULL, 0, 0,
+                                     pad_row, limit, step, s.window, row_max, row_sum, acc,
+                                     work)
             else:
                 mha_fused_attend_f64(q0, q_rs, <int> rows_t, <int> d,
-                                     k0, kl, v0, kl, <int> d, k_begin, k_len, scale, NULL, 0, 0, NULL,
-                                     limit, step, s.window, row_max, row_sum, acc, work)
+                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, NULL, 0, 0,
+                                     pad_row, limit, step, s.window, row_max, row_sum, acc,
+                                     work)
         for r in range(rows_t):
             if floating is float:
                 mha_finish_row_f32(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
@@ -412,16 +425,22 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
                  window, inv_freq, interleaved, n_threads)
 
 
-def self_attention(cnp.ndarray x, bint causal, object w_in, object b_in, object w_out,
+def self_attention(cnp.ndarray x, bint causal, object key_padding, object w_in, object b_in,
+                   object w_out,
                    object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index,
                    Py_ssize_t head_dim, Py_ssize_t window, object inv_freq, bint interleaved,
                    int n_threads):
-    """mha(x) (or mha(x, is_causal=True)) of a small call, or None where this kernel does not
-    apply. x (B, L, E) of the module dtype, L >= 1; weights as for decode_step; window only
-    with causal; RoPE at positions 0 .. L - 1."""
+    """mha(x) (or mha(x, is_causal=True), with or without key_padding_mask=) of a small call,
+    or None where this kernel does not apply. x (B, L, E) of the module dtype, L >= 1;
+    key_padding None or a C-contiguous bool (B, L) array (True = padding); weights as for
+    decode_step; window only with causal; RoPE at positions 0 .. L - 1."""
+    if key_padding is not None and not (
+            _c_contiguous(key_padding, cnp.NPY_BOOL) and cnp.PyArray_NDIM(x) == 3
+            and _shape_2d(key_padding, x.shape[0], x.shape[1])):
+        return None
     return _call(x, False, causal, 0, NULL, None, None, 0, None, None, head_dim, 0, w_in, b_in,
                  w_out, b_out, heads, kv_heads, kv_index, window if causal else 0, inv_freq,
-                 interleaved, n_threads)
+                 interleaved, n_threads, key_padding)
 
 
 cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
@@ -429,7 +448,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
                   object k_scale, object v_scale, Py_ssize_t d, Py_ssize_t max_len,
                   object w_in, object b_in, object w_out, object b_out,
                   Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index, Py_ssize_t window,
-                  object inv_freq, bint interleaved, int n_threads):
+                  object inv_freq, bint interleaved, int n_threads, object key_padding=None):
     if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
         return None                          # tuning knobs moved a rule of the general path
     cdef int typenum = cnp.PyArray_TYPE(x)
@@ -458,6 +477,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     s.half = 0 if inv_freq is None else _shape_0(inv_freq)
     s.interleaved = interleaved
     s.kv_fmt = kv_fmt
+    s.pad = <const unsigned char *> _data(key_padding)
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
     cdef Py_ssize_t group = heads // kv_heads, g
     # uneven groups: the general kernel's tasks for them (_attention_kernel._group_starts)

@@ -209,14 +209,19 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         # The common call, mha(x) or mha(x, is_causal=True) on a 3-D array of the module's
         # dtype, has nothing to check but the array itself: it skips the general argument
         # handling (about a quarter of a tiny layer's time). Everything else takes that path.
-        if (key is None and value is None and key_padding_mask is None and attn_mask is None
+        if (key is None and value is None and attn_mask is None
                 and cache is None and lengths is None and need_weights is False
                 and positions is None and head_mask is None
                 and (is_causal is True or (is_causal is False and self.window is None))
                 and type(query) is np.ndarray and query.ndim == 3
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
                 and query.shape[0] and query.shape[1] and self.in_proj_weight is not None):
-            return self._self_attention(query, is_causal)
+            if key_padding_mask is None:
+                return self._self_attention(query, is_causal)
+            if type(key_padding_mask) is np.ndarray:     # (checked by the compiled call)
+                out = self._small_self_attention(query, is_causal, key_padding_mask)
+                if out is not None:
+                    return out
         # The common decode step, mha(x, cache=cache): the same, for a cache of this module's
         # geometry (the general path costs a small model's step several times its kernels),
         # stored in the module dtype, float16 or int8 (E = 64, 4 heads, 16 cached tokens, 1
@@ -244,13 +249,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         batch, length, _ = x.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
-        rope = self.rope                   # a small call: one compiled call
-        out = _step_kernel.self_attention(
-            x, is_causal, self.in_proj_weight, self.in_proj_bias, self.out_weight,
-            self.out_bias, heads, kv_heads, self._kv_index, d, self.window or 0,
-            None if rope is None else rope.inv_freq(d),
-            False if rope is None else rope.interleaved, n_threads)
-        if out is not None:
+        out = self._small_self_attention(x, is_causal, None, n_threads)
+        if out is not None:                # a small call: one compiled call
             return out
         with blas_single_threaded():
             qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
@@ -265,6 +265,16 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                         is_causal, 1.0 / math.sqrt(d), None, n_threads,
                                         self.window or 0, None, self._kv_index)
             return _linear(context, self.out_weight, self.out_bias, n_threads)
+
+    def _small_self_attention(self, x, is_causal, key_padding_mask, n_threads=None):
+        """_step_kernel.self_attention for this module (None where it does not apply)."""
+        rope = self.rope
+        return _step_kernel.self_attention(
+            x, is_causal, key_padding_mask, self.in_proj_weight, self.in_proj_bias,
+            self.out_weight, self.out_bias, self.num_heads, self.num_kv_heads, self._kv_index,
+            self.head_dim, self.window or 0, None if rope is None else rope.inv_freq(self.head_dim),
+            False if rope is None else rope.interleaved,
+            kernel_threads() if n_threads is None else n_threads)
 
     def _cached_step(self, x, cache):
         """Append a (B, L, E) array to a cache and attend causally over it: the compiled step

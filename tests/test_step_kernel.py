@@ -322,6 +322,66 @@ def test_small_self_attention_equals_the_general_path_bitwise(rng, dtype, geomet
                                       mha(x, is_causal=causal, head_mask=ones))
 
 
+def _padding_patterns(batch, length):
+    """Key padding masks (batch, length): none padded, right- and left-padded rows, a hole in
+    the middle, and (batch > 1) a row of padding only."""
+    right = np.arange(length)[None] >= length - (np.arange(batch)[:, None] % length)
+    middle = np.zeros((batch, length), bool)
+    middle[:, length // 2] = True
+    yield np.zeros((batch, length), bool)
+    yield right
+    yield right[:, ::-1].copy()
+    yield middle
+    if batch > 1:
+        everything = right.copy()
+        everything[-1] = True
+        yield everything
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+@pytest.mark.parametrize("rope", list(ROPES), ids=list(ROPES))
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 6)],
+                         ids=["encoder", "causal", "window"])
+def test_small_self_attention_with_key_padding_equals_the_general_path_bitwise(
+        rng, taken, dtype, geometry, rope, causal, window):
+    """mha(x, key_padding_mask=...) of a small call runs compiled and equals the general path
+    (head_mask of ones) bit for bit, padded keys skipped at either end as the general kernel
+    skips them; a row whose keys are all padding gives zeros there too."""
+    mha = _module(rng, geometry, dtype, ROPES[rope], window)
+    ones = np.ones(geometry[1], dtype)
+    for batch, length in ((1, 1), (2, 5), (3, 16), (2, 40)):
+        x = rng.standard_normal((batch, length, geometry[0])).astype(dtype)
+        for pad in _padding_patterns(batch, length):
+            taken.clear()
+            with mha_cy.threads(1):     # (with more, the larger calls are the general path's)
+                fast = mha(x, is_causal=causal, key_padding_mask=pad)
+            assert taken == [True], (batch, length)
+            np.testing.assert_array_equal(
+                fast, mha(x, is_causal=causal, key_padding_mask=pad, head_mask=ones))
+
+
+def test_key_padding_the_compiled_call_does_not_take_goes_the_general_way(rng, taken):
+    """Masks that are not C-contiguous bool (batch, length) arrays: the compiled call
+    declines, the general path converts them (or names what is wrong)."""
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    x = rng.standard_normal((2, 6, 64)).astype(np.float32)
+    pad = np.zeros((2, 6), bool)
+    pad[:, 4:] = True
+    expected = mha(x, key_padding_mask=pad)
+    for other in (pad.astype(np.uint8) != 0, np.asfortranarray(pad), pad.tolist()):
+        np.testing.assert_array_equal(mha(x, key_padding_mask=other), expected)
+    wide = np.zeros((2, 12), bool)
+    wide[:, 8:] = True                                    # every other column: pad
+    taken.clear()
+    np.testing.assert_array_equal(mha(x, key_padding_mask=wide[:, ::2]), expected)
+    assert taken == [False]                               # a strided view: declined
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
+        mha(x, key_padding_mask=pad.astype(np.int64))
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        mha(x, key_padding_mask=pad[:, :5])
+
+
 def test_mha_takes_the_compiled_call_for_a_tiny_layer(rng, taken):
     mha = mha_cy.MultiHeadAttention(64, 4, seed=0)
     x = rng.standard_normal((1, 16, 64)).astype(np.float32)
