@@ -40,9 +40,11 @@ from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64
                           mha_fused_scratch_f64, mha_fused_attend_f32, mha_fused_attend_f64,
                           mha_fused_attend_direct_f32, mha_fused_attend_direct_f64,
                           MHA_KV_F16, MHA_KV_I8, mha_kv_direct_scratch,
-                          mha_kv_attend_f32, mha_kv_load_f16_f32, mha_kv_load_i8_f32)
+                          mha_kv_attend_f32, mha_kv_itemsize, mha_kv_load_f16_f32,
+                          mha_kv_load_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
-                             attention_flops, direct_rows, split_k_parts)
+                             attention_flops, direct_rows, largest_group,
+                             skip_end_padding, split_k_parts)
 
 # The thread and split-K rules and their constants (ATTN_MIN_FLOPS_PER_THREAD,
 # ATTN_MIN_PARALLEL_TASKS) are in _kernel_rules.pxd, shared with _step_kernel.
@@ -158,10 +160,7 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
         task.k_begin = task.k_end = 0
     if p.pad != NULL:     # padded keys at either end (right- or left-padded batches): skip them
         pad_row = p.pad + task.b * p.pb
-        while task.k_end > 0 and pad_row[task.k_end - 1]:
-            task.k_end -= 1
-        while task.k_begin < task.k_end and pad_row[task.k_begin]:
-            task.k_begin += 1
+        skip_end_padding(pad_row, &task.k_begin, &task.k_end)
 
     task.q_off = task.b * p.qb + task.h0 * p.qh + task.i0 * p.ql
     task.k_off = task.b * p.kb + task.kv_head * p.kh
@@ -483,7 +482,7 @@ cdef inline void _load_tile(const Problem *p, const void *raw, Py_ssize_t off, P
 cdef inline const void *_stored_at(const Problem *p, const void *raw,
                                    Py_ssize_t off) noexcept nogil:
     """The address of stored element off (float16: 2 bytes, int8: 1)."""
-    return <const char *> raw + off * (2 if p.kv_fmt == MHA_KV_F16 else 1)
+    return <const char *> raw + off * mha_kv_itemsize(p.kv_fmt)
 
 
 cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float scale,
@@ -776,7 +775,7 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     p.kv_index = p.group_start = NULL
     cdef const Py_ssize_t[::1] kv_view
     cdef Py_ssize_t[::1] starts
-    cdef Py_ssize_t max_group = p.group, g
+    cdef Py_ssize_t max_group = p.group
     if kv_index is not None:
         kv_view = kv_index
         starts = _group_starts(kv_view, p.q_heads, p.kv_heads)
@@ -784,8 +783,7 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
         max_group = 1
         if starts is not None:
             p.group_start = &starts[0]
-            for g in range(p.kv_heads):
-                max_group = max(max_group, starts[g + 1] - starts[g])
+            max_group = largest_group(p.group_start, p.kv_heads)
     p.heads_as_rows = p.q_len == 1 and max_group > 1
     # tiles no larger than the problem: short sequences get small per-thread scratch
     p.block_q, p.block_k = min(BLOCK_Q, max(p.q_len, 1)), min(BLOCK_K, max(p.k_len, 1))

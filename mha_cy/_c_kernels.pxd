@@ -94,6 +94,7 @@ cdef extern from "kv_format.h" nogil:
     int MHA_KV_F16
     int MHA_KV_I8
     Py_ssize_t mha_kv_direct_scratch()
+    size_t mha_kv_itemsize(int fmt)
     void mha_kv_attend_f32(int fmt, int direct, const float *q, Py_ssize_t q_rs, int rows,
                            int d, const void *k, Py_ssize_t k_rs, const float *k_scale,
                            const void *v, Py_ssize_t v_rs, const float *v_scale, int dv,

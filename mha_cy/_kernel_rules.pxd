@@ -57,3 +57,24 @@ cdef inline bint direct_rows(Py_ssize_t rows, Py_ssize_t d, Py_ssize_t max_rows,
     defaults are MHA_FUSED_DIRECT_MAX_ROWS and MHA_FUSED_DIRECT_MIN_HEAD_DIM;
     _attention_kernel's _set_fused_direct moves its own."""
     return rows <= max_rows and (rows == 1 or d >= min_d)
+
+
+cdef inline Py_ssize_t largest_group(const Py_ssize_t *group_start,
+                                     Py_ssize_t kv_heads) noexcept nogil:
+    """The most query heads one K/V head serves, from _attention_kernel._group_starts' array
+    (K/V head g's query heads are [group_start[g], group_start[g + 1])): the rows of the
+    largest decode task of uneven groups."""
+    cdef Py_ssize_t g, most = 1
+    for g in range(kv_heads):
+        most = max(most, group_start[g + 1] - group_start[g])
+    return most
+
+
+cdef inline void skip_end_padding(const unsigned char *pad_row, Py_ssize_t *k_begin,
+                                  Py_ssize_t *k_end) noexcept nogil:
+    """Narrow a task's keys [k_begin, k_end) past the padded keys (pad_row[j] nonzero) at
+    either end: they are skipped, not read (right- or left-padded batches)."""
+    while k_end[0] > 0 and pad_row[k_end[0] - 1]:
+        k_end[0] -= 1
+    while k_begin[0] < k_end[0] and pad_row[k_begin[0]]:
+        k_begin[0] += 1

@@ -55,11 +55,11 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_fused_scratch_f32, mha_fused_scratch_f64, mha_fused_attend_f32,
                           mha_fused_attend_f64, mha_fused_attend_direct_f32,
                           mha_fused_attend_direct_f64, MHA_KV_F16, MHA_KV_I8,
-                          mha_kv_direct_scratch, mha_kv_attend_f32,
+                          mha_kv_direct_scratch, mha_kv_attend_f32, mha_kv_itemsize,
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
                              PANEL_TILE_WEIGHT_BYTES, attention_flops, direct_rows,
-                             split_k_parts)
+                             largest_group, skip_end_padding, split_k_parts)
 
 cnp.import_array()
 
@@ -202,7 +202,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *conv = sin + s.length * s.half
     cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, k_end, limit, step, q_rs, o_rs
     cdef const unsigned char *pad_row = NULL
-    cdef Py_ssize_t kv_isz = 2 if s.kv_fmt == MHA_KV_F16 else 1     # a stored element's bytes
+    cdef Py_ssize_t kv_isz = mha_kv_itemsize(s.kv_fmt)     # a stored element's bytes
     cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
     # where K/V head g of sequence b starts, and the stride of its keys
     cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d, kv_off, row
@@ -269,10 +269,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         k_end = k_len
         if s.pad != NULL:         # padded keys at either end are skipped, as _task skips them
             pad_row = s.pad + b * s.length
-            while k_end > 0 and pad_row[k_end - 1]:
-                k_end -= 1
-            while k_begin < k_end and pad_row[k_begin]:
-                k_begin += 1
+            skip_end_padding(pad_row, &k_begin, &k_end)
         if not s.causal:
             limit, step = k_end, 0
         if s.cached:
@@ -372,10 +369,10 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     Expected (anything else returns None): x (B, L, E) of the module dtype, L >= 1; cache_k,
     cache_v (B, kv_heads, max_len, D) of that dtype, or float16 / int8 (a float32 module's
     cache in that format: mha_cy._cache_formats; int8 with its k_scale, v_scale (B,
-    kv_heads, max_len) float32, else None), with start + L <= max_len (the caller raises
-    the overflow first); w_in (heads * D + 2 * kv_heads * D, E) (in_proj_weight), w_out
-    (E, heads * D); biases None or 1-D; inv_freq None (no RoPE) or float64 (pairs <= D /
-    2,); all C-contiguous. The caller has checked: window 0 (none) or >= 1; kv_index None
+    kv_heads, max_len) float32, else None), with start + L <= max_len (an overflow too
+    goes to the general path, which raises it); w_in (heads * D + 2 * kv_heads * D, E)
+    (in_proj_weight), w_out (E, heads * D); biases None or 1-D; inv_freq None (no RoPE) or
+    float64 (pairs <= D / 2,); all C-contiguous. The caller has checked: window 0 (none) or >= 1; kv_index None
     (even groups) or the module's intp (heads,) K/V head of each query head (a pruned
     module's uneven groups)."""
     cdef const int64_t *starts = NULL
@@ -427,10 +424,9 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
 
 
 def self_attention(cnp.ndarray x, bint causal, object key_padding, object w_in, object b_in,
-                   object w_out,
-                   object b_out, Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index,
-                   Py_ssize_t head_dim, Py_ssize_t window, object inv_freq, bint interleaved,
-                   int n_threads):
+                   object w_out, object b_out, Py_ssize_t heads, Py_ssize_t kv_heads,
+                   object kv_index, Py_ssize_t head_dim, Py_ssize_t window, object inv_freq,
+                   bint interleaved, int n_threads):
     """mha(x) (or mha(x, is_causal=True), with or without key_padding_mask=) of a small call,
     or None where this kernel does not apply. x (B, L, E) of the module dtype, L >= 1;
     key_padding None or a C-contiguous bool (B, L) array (True = padding); weights as for
@@ -471,16 +467,16 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
             and (inv_freq is None or 2 * _shape_0(inv_freq) <= d)):
         return None
     cdef Step s
-    s.batch, s.length, s.embed = x.shape[0], x.shape[1], x.shape[2]
+    s.batch, s.length, s.embed = x.shape[0], x.shape[1], embed
     s.heads, s.kv_heads, s.d = heads, kv_heads, d
-    s.n_in, s.start, s.max_len, s.window = (heads + 2 * kv_heads) * d, max_start, max_len, window
+    s.n_in, s.start, s.max_len, s.window = n_in, max_start, max_len, window
     s.cached, s.causal = cached, causal
     s.half = 0 if inv_freq is None else _shape_0(inv_freq)
     s.interleaved = interleaved
     s.kv_fmt = kv_fmt
     s.pad = <const unsigned char *> _data(key_padding)
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
-    cdef Py_ssize_t group = heads // kv_heads, g
+    cdef Py_ssize_t group = heads // kv_heads
     # uneven groups: the general kernel's tasks for them (_attention_kernel._group_starts)
     cdef const Py_ssize_t[::1] kv_view
     cdef const Py_ssize_t[::1] starts_view
@@ -496,8 +492,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
         if group_starts is not None:
             starts_view = group_starts
             s.group_start = &starts_view[0]
-            for g in range(kv_heads):
-                s.max_group = max(s.max_group, starts_view[g + 1] - starts_view[g])
+            s.max_group = largest_group(s.group_start, kv_heads)
     s.heads_as_rows = s.length == 1 and s.max_group > 1
     if d > MHA_FUSED_MAX_HEAD_DIM or d < 1 or s.length > ATTN_BLOCK_Q or s.embed < 1:
         return None

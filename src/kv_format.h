@@ -46,6 +46,9 @@ extern "C" {
 
 ptrdiff_t mha_kv_direct_scratch(void);
 
+/* Bytes of one stored element of format fmt. */
+static inline size_t mha_kv_itemsize(int fmt) { return fmt == MHA_KV_F16 ? 2 : 1; }
+
 void mha_kv_attend_direct_f16_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
                                   const uint16_t *k, ptrdiff_t k_rs, const uint16_t *v,
                                   ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, ptrdiff_t k_end,
