@@ -208,7 +208,9 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                  positions=None, head_mask=None):
         # The common call, mha(x) or mha(x, is_causal=True) on a 3-D array of the module's
         # dtype, has nothing to check but the array itself: it skips the general argument
-        # handling (about a quarter of a tiny layer's time). Everything else takes that path.
+        # handling (about a quarter of a tiny layer's time). With a key_padding_mask array,
+        # the compiled small call checks it (else the general path). Everything else takes
+        # that path.
         if (key is None and value is None and attn_mask is None
                 and cache is None and lengths is None and need_weights is False
                 and positions is None and head_mask is None
@@ -268,12 +270,10 @@ class MultiHeadAttention(MultiHeadAttentionBase):
 
     def _small_self_attention(self, x, is_causal, key_padding_mask, n_threads=None):
         """_step_kernel.self_attention for this module (None where it does not apply)."""
-        rope = self.rope
         return _step_kernel.self_attention(
             x, is_causal, key_padding_mask, self.in_proj_weight, self.in_proj_bias,
             self.out_weight, self.out_bias, self.num_heads, self.num_kv_heads, self._kv_index,
-            self.head_dim, self.window or 0, None if rope is None else rope.inv_freq(self.head_dim),
-            False if rope is None else rope.interleaved,
+            self.head_dim, self.window or 0, *self._rope_tables(),
             kernel_threads() if n_threads is None else n_threads)
 
     def _cached_step(self, x, cache):
@@ -290,13 +290,17 @@ class MultiHeadAttention(MultiHeadAttentionBase):
 
     def _compiled_step(self, x, cache, start):
         """_step_kernel.decode_step for this module (None where it does not apply)."""
-        rope = self.rope
         return _step_kernel.decode_step(
             x, start, cache.key, cache.value, cache.key_scale, cache.value_scale,
             self.in_proj_weight, self.in_proj_bias, self.out_weight, self.out_bias,
-            self.num_heads, self.num_kv_heads, self._kv_index,
-            self.window or 0, None if rope is None else rope.inv_freq(self.head_dim),
-            False if rope is None else rope.interleaved, kernel_threads())
+            self.num_heads, self.num_kv_heads, self._kv_index, self.window or 0,
+            *self._rope_tables(), kernel_threads())
+
+    def _rope_tables(self):
+        """(inv_freq, interleaved) of the compiled calls: (None, False) without RoPE."""
+        rope = self.rope
+        return (None, False) if rope is None else (rope.inv_freq(self.head_dim),
+                                                   rope.interleaved)
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
                  is_causal, need_weights, plan, positions, head_mask):

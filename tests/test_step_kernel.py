@@ -112,10 +112,11 @@ def test_the_compiled_step_runs_for_small_steps_and_declines_otherwise(rng):
     assert step(np.zeros((2, 5, 64), np.float32), 16) is not None     # 10 rows: the panels
     one = mha_cy.MultiHeadAttention(64, 4, num_kv_heads=1, head_dim=16, seed=0)
     long_cache = one.new_cache(1, 4096)
+    # 1 task over 2001 keys: split-K
     assert _step_kernel.decode_step(np.zeros((1, 1, 64), np.float32), 2000, long_cache.key,
                                     long_cache.value, None, None, one.in_proj_weight,
                                     one.in_proj_bias, one.out_weight, one.out_bias, 4, 1, None,
-                                    0, None, False, 1) is None             # 1 task over 2001 keys: split-K
+                                    0, None, False, 1) is None
 
 
 def test_the_compiled_step_declines_every_shape_it_does_not_fit(rng):
