@@ -13,6 +13,8 @@ cdef extern from "small_gemm.h" nogil:
                             Py_ssize_t m, Py_ssize_t n, Py_ssize_t k)
 
 cdef extern from "row_panel_gemm.h" nogil:
+    enum: MHA_PANEL_ROWS_F32
+    enum: MHA_PANEL_ROWS_F64
     Py_ssize_t mha_row_panels_size_f32(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t mha_row_panels_size_f64(Py_ssize_t m, Py_ssize_t k)
     void mha_pack_row_panels_f32(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k,

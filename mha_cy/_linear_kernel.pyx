@@ -21,13 +21,14 @@ from libc.stdlib cimport malloc, free
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
-from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_SMALL_GEMM_MIN_WEIGHT_BYTES,
-                          mha_small_gemm_f32, mha_small_gemm_f64, mha_row_panels_size_f32,
+from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM_MAX_ROWS,
+                          MHA_SMALL_GEMM_MIN_WEIGHT_BYTES, mha_small_gemm_f32, mha_small_gemm_f64, mha_row_panels_size_f32,
                           mha_row_panels_size_f64, mha_pack_row_panels_f32,
                           mha_pack_row_panels_f64, mha_row_panel_gemm_f32,
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._kernel_rules cimport PANEL_TILE_WEIGHT_BYTES
+from ._openmp_helpers cimport mha_omp_barrier
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
 # every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30
@@ -120,6 +121,18 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
                   out + r0 * ldo + c0, ldo, min(tile_rows, M - r0), c1 - c0, K, few_rows)
 
 
+cdef inline void _pack_panel(Py_ssize_t p, Py_ssize_t panel_rows, const floating *x,
+                            Py_ssize_t ldx, Py_ssize_t M, Py_ssize_t K,
+                            floating *packed) noexcept nogil:
+    """Panel p of x (rows p * panel_rows ..) into its place in packed: panels are independent,
+    so packing them one by one gives the bytes mha_pack_row_panels gives for all of x."""
+    cdef Py_ssize_t r0 = p * panel_rows
+    if floating is float:
+        mha_pack_row_panels_f32(x + r0 * ldx, ldx, min(panel_rows, M - r0), K, packed + r0 * K)
+    else:
+        mha_pack_row_panels_f64(x + r0 * ldx, ldx, min(panel_rows, M - r0), K, packed + r0 * K)
+
+
 cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
                      Py_ssize_t *tile_rows, Py_ssize_t *tile_cols,
                      Py_ssize_t min_cols=1) noexcept nogil:
@@ -180,6 +193,8 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     # the default: x packed once into panels, shared by every column tile
     cdef bint panels = not few_rows and M <= PANEL_MAX_ROWS and K > 0
     cdef floating *packed = NULL
+    cdef Py_ssize_t panel_rows = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
+    cdef Py_ssize_t n_panels = (M + panel_rows - 1) // panel_rows if panels else 0
     if panels:
         if floating is float:
             packed = <floating *> malloc(mha_row_panels_size_f32(M, K) * sizeof(floating))
@@ -187,11 +202,6 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
             packed = <floating *> malloc(mha_row_panels_size_f64(M, K) * sizeof(floating))
         if packed == NULL:
             raise MemoryError("linear: could not allocate the packed rows of x")
-        with nogil:
-            if floating is float:
-                mha_pack_row_panels_f32(x_ptr, ldx, M, K, packed)
-            else:
-                mha_pack_row_panels_f64(x_ptr, ldx, M, K, packed)
     cdef Py_ssize_t tile_rows, tile_cols
     _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols,
                PANEL_TILE_WEIGHT_BYTES // (K * sizeof(floating)) if panels else 1)
@@ -199,15 +209,22 @@ def linear(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles
     cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tiles))
-    cdef Py_ssize_t t, r0, c0
+    cdef Py_ssize_t t, r0, c0, p
 
     if team == 1:        # no parallel region: it costs microseconds even for one thread
         with nogil:
+            for p in range(n_panels):
+                _pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
             for t in range(n_tiles):
                 _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
                              o_ptr, ldo, M, N, K, few_rows, packed)
     else:
         with nogil, parallel(num_threads=team):
+            # the panels are packed by the team too (one thread took 5% of a 128-row
+            # projection's time); every tile reads all of them
+            for p in prange(n_panels, schedule='static'):
+                _pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
+            mha_omp_barrier()
             for t in prange(n_tiles, schedule='dynamic'):
                 _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
                              o_ptr, ldo, M, N, K, few_rows, packed)

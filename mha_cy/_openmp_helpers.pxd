@@ -20,11 +20,15 @@ cdef extern from *:
     static inline int mha_omp_get_max_threads(void) { return omp_get_max_threads(); }
     static inline int mha_omp_get_thread_num(void) { return omp_get_thread_num(); }
     static inline int mha_omp_get_num_threads(void) { return omp_get_num_threads(); }
+    static inline void mha_omp_barrier(void) {
+        #pragma omp barrier
+    }
     #else
     #define MHA_OPENMP_ENABLED 0
     static inline int mha_omp_get_max_threads(void) { return 1; }
     static inline int mha_omp_get_thread_num(void) { return 0; }
     static inline int mha_omp_get_num_threads(void) { return 1; }
+    static inline void mha_omp_barrier(void) { }
     #endif
     """
     # 1 when compiled with OpenMP, else 0 (a compile-time constant).
@@ -35,3 +39,7 @@ cdef extern from *:
     int mha_omp_get_thread_num() noexcept nogil
     # omp_get_num_threads(): size of the current team (1 outside a parallel region).
     int mha_omp_get_num_threads() noexcept nogil
+    # #pragma omp barrier: every thread of the team waits here for the others. Cython's
+    # prange inside `with parallel()` ends without one (nowait); a second prange that reads
+    # what the first one wrote needs it. Every thread of the team must reach it.
+    void mha_omp_barrier() noexcept nogil
