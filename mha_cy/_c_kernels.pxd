@@ -23,10 +23,11 @@ cdef extern from "row_panel_gemm.h" nogil:
                                  double *packed)
     void mha_row_panel_gemm_f32(const float *packed, Py_ssize_t m, Py_ssize_t k, const float *w,
                                 Py_ssize_t ldw, const float *bias, float *out, Py_ssize_t ldo,
-                                Py_ssize_t j0, Py_ssize_t j1)
+                                const Py_ssize_t *row_off, Py_ssize_t j0, Py_ssize_t j1)
     void mha_row_panel_gemm_f64(const double *packed, Py_ssize_t m, Py_ssize_t k,
                                 const double *w, Py_ssize_t ldw, const double *bias,
-                                double *out, Py_ssize_t ldo, Py_ssize_t j0, Py_ssize_t j1)
+                                double *out, Py_ssize_t ldo, const Py_ssize_t *row_off,
+                                Py_ssize_t j0, Py_ssize_t j1)
     int mha_row_panel_set_isa(int level)
 
 cdef extern from "rope.h" nogil:

@@ -116,9 +116,9 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
     cdef Py_ssize_t j0 = 0
     while j0 < n:
         if floating is float:
-            mha_row_panel_gemm_f32(packed, m, k, w, k, bias, out, n, j0, min(n, j0 + cols))
+            mha_row_panel_gemm_f32(packed, m, k, w, k, bias, out, n, NULL, j0, min(n, j0 + cols))
         else:
-            mha_row_panel_gemm_f64(packed, m, k, w, k, bias, out, n, j0, min(n, j0 + cols))
+            mha_row_panel_gemm_f64(packed, m, k, w, k, bias, out, n, NULL, j0, min(n, j0 + cols))
         j0 += cols
     free(packed)
     return 0

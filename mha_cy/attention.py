@@ -157,6 +157,17 @@ def _linear(x, weight, bias, n_threads):
     return out.reshape(batch, length, -1)
 
 
+def _linear_heads(x, weight, bias, heads, head_dim, n_threads):
+    """(B, L, in) @ weight.T + bias split into heads: a C-contiguous (B, heads, L, head_dim)
+    array (each head's rows contiguous, as the attention kernel reads them fastest)."""
+    batch, length, width = x.shape
+    out = np.empty((batch, heads, length, head_dim), dtype=x.dtype)
+    if not (x.flags.c_contiguous and x.flags.aligned):   # unaligned REAL * loads are UB in C
+        x = np.array(x, order="C")
+    _linear_kernel.linear_heads(x.reshape(batch * length, width), weight, bias, out, n_threads)
+    return out
+
+
 def _rotate_qk(qkv, heads, kv_heads, rope, positions, n_threads):
     """RoPE in place on the query and key heads of a (B, heads + 2 kv_heads, L, D) QKV view,
     at int64 (1 or B, L) positions."""
@@ -255,8 +266,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         if out is not None:                # a small call: one compiled call
             return out
         with blas_single_threaded():
-            qkv = _split_heads(_linear(x, self.in_proj_weight, self.in_proj_bias, n_threads),
-                               heads + 2 * kv_heads, d)
+            qkv = _linear_heads(x, self.in_proj_weight, self.in_proj_bias, heads + 2 * kv_heads,
+                                d, n_threads)
             if self.rope is not None:      # positions 0 .. L - 1 for every sequence
                 _rotate_qk(qkv, heads, kv_heads, self.rope,
                            np.arange(length, dtype=np.int64)[None], n_threads)
@@ -310,23 +321,21 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         n_threads = kernel_threads()
         with blas_single_threaded():
             if self_attention and self.in_proj_weight is not None:
-                qkv = _linear(query, self.in_proj_weight, self.in_proj_bias, n_threads)
-                qkv = _split_heads(qkv, heads + 2 * kv_heads, d)
+                qkv = _linear_heads(query, self.in_proj_weight, self.in_proj_bias,
+                                    heads + 2 * kv_heads, d, n_threads)
                 if positions is not None:
                     _rotate_qk(qkv, heads, kv_heads, self.rope, positions, n_threads)
                 q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
             else:
-                q = _split_heads(_linear(query, self.q_weight, self.q_bias, n_threads), heads, d)
+                q = _linear_heads(query, self.q_weight, self.q_bias, heads, d, n_threads)
                 if key is value and self.in_proj_weight is not None:   # one GEMM for K and V
                     kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[n_q:]
-                    kv = _linear(key, self.in_proj_weight[n_q:], kv_bias, n_threads)
-                    kv = _split_heads(kv, 2 * kv_heads, d)
+                    kv = _linear_heads(key, self.in_proj_weight[n_q:], kv_bias, 2 * kv_heads, d,
+                                       n_threads)
                     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
                 else:
-                    k = _split_heads(_linear(key, self.k_weight, self.k_bias, n_threads),
-                                     kv_heads, d)
-                    v = _split_heads(_linear(value, self.v_weight, self.v_bias, n_threads),
-                                     kv_heads, d)
+                    k = _linear_heads(key, self.k_weight, self.k_bias, kv_heads, d, n_threads)
+                    v = _linear_heads(value, self.v_weight, self.v_bias, kv_heads, d, n_threads)
             ragged = k_scale = v_scale = None
             if plan is not None:     # k, v: the cache's storage, in its format
                 k, v = plan.write(k, v)

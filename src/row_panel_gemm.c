@@ -67,9 +67,10 @@ MHA_VECTOR_TYPES(double, 64, mha_f64_v64);
     }                                                                                        \
     void mha_row_panel_gemm_##SUFFIX(const REAL *packed, ptrdiff_t m, ptrdiff_t k,           \
                                      const REAL *w, ptrdiff_t ldw, const REAL *bias,         \
-                                     REAL *out, ptrdiff_t ldo, ptrdiff_t j0, ptrdiff_t j1)   \
+                                     REAL *out, ptrdiff_t ldo, const ptrdiff_t *row_off,     \
+                                     ptrdiff_t j0, ptrdiff_t j1)                             \
     {                                                                                        \
-        DISPATCH(SUFFIX)(packed, m, k, w, ldw, bias, out, ldo, j0, j1);                      \
+        DISPATCH(SUFFIX)(packed, m, k, w, ldw, bias, out, ldo, row_off, j0, j1);             \
     }
 
 #ifdef MHA_PANEL_DISPATCH

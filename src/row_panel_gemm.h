@@ -40,13 +40,15 @@ void mha_pack_row_panels_f64(const double *x, ptrdiff_t ldx, ptrdiff_t m, ptrdif
                              double *packed);
 
 /* out[i, j] = sum_p x[i, p] w[j, p] + bias[j] for i < m, j0 <= j < j1, from the packed x.
- * w: rows of k values, row stride ldw; bias: NULL or per column; out: row stride ldo. */
+ * w: rows of k values, row stride ldw; bias: NULL or per column; out: row i at out + i * ldo,
+ * or at out + row_off[i] when row_off is not NULL (m offsets: rows written to a layout of the
+ * caller's, such as one head's rows of each sequence; the values are the same). */
 void mha_row_panel_gemm_f32(const float *packed, ptrdiff_t m, ptrdiff_t k, const float *w,
                             ptrdiff_t ldw, const float *bias, float *out, ptrdiff_t ldo,
-                            ptrdiff_t j0, ptrdiff_t j1);
+                            const ptrdiff_t *row_off, ptrdiff_t j0, ptrdiff_t j1);
 void mha_row_panel_gemm_f64(const double *packed, ptrdiff_t m, ptrdiff_t k, const double *w,
                             ptrdiff_t ldw, const double *bias, double *out, ptrdiff_t ldo,
-                            ptrdiff_t j0, ptrdiff_t j1);
+                            const ptrdiff_t *row_off, ptrdiff_t j0, ptrdiff_t j1);
 
 /* Which compiled micro-kernel runs: 2 AVX-512, 1 AVX2 + FMA, 0 the baseline; a level above
  * what the CPU has (or < 0) means the best it has. Returns the previous level. For tests (every

@@ -16,7 +16,8 @@
  * stack: 6 GFLOP/s against 30). */
 static inline __attribute__((always_inline)) ISA_TARGET void
 FN(block_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdiff_t ldw,
-           const REAL *bias, REAL *out, ptrdiff_t ldo, ptrdiff_t j, const int NB)
+           const REAL *bias, REAL *out, ptrdiff_t ldo, const ptrdiff_t *row_off, ptrdiff_t j,
+           const int NB)
 {
     VEC acc[8][NV];
     for (int b = 0; b < NB; b++)
@@ -40,30 +41,31 @@ FN(block_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdif
         REAL lanes[PR];
         memcpy(lanes, sums, sizeof lanes);
         for (ptrdiff_t r = 0; r < rows; r++)
-            out[r * ldo + j + b] = lanes[r];
+            out[(row_off != NULL ? row_off[r] : r * ldo) + j + b] = lanes[r];
     }
 }
 
 static ISA_TARGET void
 FN(row_panel_gemm_)(const REAL *packed, ptrdiff_t m, ptrdiff_t k, const REAL *w,
                     ptrdiff_t ldw, const REAL *bias, REAL *out, ptrdiff_t ldo,
-                    ptrdiff_t j0, ptrdiff_t j1)
+                    const ptrdiff_t *row_off, ptrdiff_t j0, ptrdiff_t j1)
 {
     for (ptrdiff_t i0 = 0; i0 < m; i0 += PR) {
         const REAL *panel = packed + i0 * k;
         ptrdiff_t rows = m - i0 < PR ? m - i0 : PR;
-        REAL *oi = out + i0 * ldo;
+        REAL *oi = row_off != NULL ? out : out + i0 * ldo;
+        const ptrdiff_t *ro = row_off != NULL ? row_off + i0 : NULL;
         ptrdiff_t j = j0;
         for (; j + NB_MAX <= j1; j += NB_MAX)
-            FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, NB_MAX);
+            FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, NB_MAX);
         switch (j1 - j) {           /* the last < NB_MAX weight rows */
-        case 7: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 7); break;
-        case 6: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 6); break;
-        case 5: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 5); break;
-        case 4: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 4); break;
-        case 3: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 3); break;
-        case 2: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 2); break;
-        case 1: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, j, 1); break;
+        case 7: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 7); break;
+        case 6: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 6); break;
+        case 5: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 5); break;
+        case 4: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 4); break;
+        case 3: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 3); break;
+        case 2: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 2); break;
+        case 1: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 1); break;
         default: break;
         }
     }

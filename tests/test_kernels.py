@@ -136,6 +136,43 @@ def test_linear_bitwise_same_for_any_thread_count(rng, dtype, shape, tiling):
         np.testing.assert_array_equal(out, outs[0])
 
 
+# (batch, length, K, heads, head_dim): one sequence; a panel straddling two sequences
+# (length 37); rows fewer than a panel; a head dim that column tiles cut (80: tiles of 16 x n
+# columns) and one of 1; few rows (small_gemm: copied into the heads); K = 0 (bias only)
+HEAD_SHAPES = {"one_sequence": (1, 70, 48, 6, 16), "straddling_panels": (3, 37, 40, 5, 8),
+               "rows_below_a_panel": (2, 3, 24, 4, 8), "head_dim_80": (2, 20, 33, 3, 80),
+               "head_dim_1": (2, 17, 9, 7, 1), "few_rows": (1, 4, 600, 4, 128),
+               "k_0": (2, 5, 0, 2, 4)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(HEAD_SHAPES.values()), ids=list(HEAD_SHAPES))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_heads_is_linear_split_into_heads_bitwise(rng, dtype, shape, with_bias, tiling):
+    """linear_heads writes head by head what linear computes, every bit, for every path and
+    thread count; nothing of out is left unwritten (NaN-filled)."""
+    B, L, K, H, D = shape
+    x = rng.standard_normal((B * L, K)).astype(dtype)
+    w = rng.standard_normal((H * D, K)).astype(dtype)
+    bias = rng.standard_normal(H * D).astype(dtype) if with_bias else None
+    flat = np.empty((B * L, H * D), dtype)
+    linear(x, w, bias, flat, 1)
+    expected = flat.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+    for n in (1, 2, 3):
+        out = np.full((B, H, L, D), np.nan, dtype)
+        _linear_kernel.linear_heads(x, w, bias, out, n)
+        np.testing.assert_array_equal(out, expected)
+
+
+def test_linear_heads_rejects_inconsistent_shapes():
+    x, w = np.ones((6, 4)), np.ones((8, 4))
+    for out in (np.empty((2, 2, 2, 4)), np.empty((2, 4, 3, 4)), np.empty((2, 2, 3, 2))):
+        with pytest.raises(ValueError, match="inconsistent shapes"):
+            _linear_kernel.linear_heads(x, w, None, out, 1)
+    with pytest.raises(ValueError):            # not C-contiguous
+        _linear_kernel.linear_heads(x, w, None, np.empty((2, 3, 2, 4)).transpose(0, 2, 1, 3), 1)
+
+
 @pytest.mark.parametrize("shape", [(128, 768, 2304), (4096, 768, 2304), (4096, 768, 768),
                                    (16, 64, 192), (1, 1, 1), (3, 5, 10 ** 6), (2 ** 33, 8, 8)])
 def test_tile_grid_covers_and_is_bounded(shape):
