@@ -39,7 +39,7 @@ IMPL_ORDER = ("mha_cy", "numpy", "torch_sdpa", "torch_mha", "onnxruntime", "open
 WORKLOAD_ORDER = ("encoder", "encoder_weights", "encoder_batched", "long_causal", "encoder_sdpa",
                   "encoder_batched_sdpa", "long_causal_sdpa", "decode_gqa", "decode_proj",
                   "decode_cache_f32", "decode_cache_f16", "decode_cache_int8", "decode_ragged",
-                  "decode_window", "tiny", "threads")
+                  "decode_window", "sentence", "tiny", "threads")
 USER_ENV_DROPS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 DEFAULT_ENV_WORKLOADS = ("encoder_sdpa", "encoder_batched_sdpa", "long_causal_sdpa")
 

@@ -227,6 +227,9 @@ WORKLOADS: dict[str, Workload] = {
         Workload("decode_small", "decode", B=1, Lq=1, Lk=17, E=64, Hq=4, Hkv=4, D=16,
                  description="one decode step of a small layer (d_model 64, 4 heads) over 16 "
                              "cached tokens: the per-call cost of a step"),
+        Workload("sentence", "mha", B=1, Lq=32, Lk=32, E=384, Hq=12, Hkv=12, D=32,
+                 description="batch 1, 32 tokens, d_model 384, 12 heads: a sentence through a "
+                             "MiniLM-size layer (sentence embeddings, rerankers)"),
         Workload("tiny", "mha", B=1, Lq=16, Lk=16, E=64, Hq=4, Hkv=4, D=16,
                  description="batch 1, 16 tokens, d_model 64, 4 heads (per-call overhead)"),
         Workload("threads", "mha", **_ENCODER_BATCHED,

@@ -14,8 +14,11 @@ cdef enum:
     # ("split-K"), so that all cores stream the cache. A constant, not the thread count: the
     # result must not depend on it.
     ATTN_MIN_PARALLEL_TASKS = 8
-    # Waking a thread costs microseconds: give each at least this many flops (~10 us of work).
-    ATTN_MIN_FLOPS_PER_THREAD = 1000000
+    # Waking a thread costs microseconds: give each at least this many flops (5-20 us of work:
+    # short rows run at a third of the long rows' rate, their softmax costs more than their
+    # products). 1e6 before kept the attention of a MiniLM-size layer (32 tokens, 12 heads of
+    # 32: 1.6 MFLOP, 117 us on Zen 1) on one thread.
+    ATTN_MIN_FLOPS_PER_THREAD = 250000
     # _linear_kernel: a panel tile's weight columns fill about this much of L2 at least: each
     # tile streams all of the packed x once, so narrow tiles re-read x too often (4096 x 384
     # -> 1152, one thread: 32 columns per tile 140 ms, 144 columns 109; 1024 rows: 33 -> 27).

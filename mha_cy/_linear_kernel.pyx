@@ -57,6 +57,19 @@ cdef Py_ssize_t SMALL_GEMM_MAX_ROWS = MHA_SMALL_GEMM_MAX_ROWS
 cdef Py_ssize_t SMALL_GEMM_MIN_WEIGHT_BYTES = MHA_SMALL_GEMM_MIN_WEIGHT_BYTES
 # A tile is worth a thread's wake-up and its re-reads of x and w from about this much work.
 cdef double MIN_TILE_FLOPS = 16e6
+# Column tiles (the panel and small_gemm paths) repack nothing: a tile costs a call and an
+# atomic, so they may be much smaller, which evens out the threads' shares of the mid-size
+# products of short sequences (the 16e6 / 4 of before made 3 tiles of a MiniLM layer's QKV
+# projection, 12 tokens x 384 -> 1152, on 2 threads: 1.5x one thread, and 1 tile of its output
+# projection). Measured, whole layer (E 384, 12 heads), 2 threads, Zen 1, min of alternating
+# rounds: 12 tokens 540 -> 394 us, 32 tokens 826 -> 779, 64 tokens 1670 -> 1470. Their
+# minimum is MIN_TILE_FLOPS / COLUMN_TILE_SHARE (0.5e6: ~14 us of a Zen 1 core, several wake-ups
+# of a spinning OpenMP worker).
+cdef double COLUMN_TILE_SHARE = 32
+# A panel tile streams all of the packed x once, so tiles are kept wide (PANEL_TILE_WEIGHT_BYTES
+# of weight columns) where the packed x is larger than this; a smaller one stays in L2 (half
+# of Zen 1's 512 KiB) while any number of tiles re-read it.
+cdef Py_ssize_t PANEL_X_CACHED_BYTES = 256 * 1024
 # At most this many tiles: enough to share among many cores and to even out 2 or 3 threads,
 # few enough that re-reading x and w per tile stays a few percent of the work.
 cdef Py_ssize_t MAX_TILES = 64
@@ -154,10 +167,11 @@ cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_block
     """Tile sizes for an (M, N) output with inner size K: a function of the shape only.
     BLAS tiles: about `target` tiles of near-square shape, side = sqrt(M N / target): about
     N / side columns of tiles and target / that many rows (at least 1 each way). Column blocks
-    (the paths without BLAS): a tile repacks nothing, so tiles may be 4x smaller, which evens
-    out the threads' shares of small products (9 tiles of 128 x 768 @ 768 x 768 split 5:4)."""
+    (the paths without BLAS): a tile repacks nothing, so tiles may be COLUMN_TILE_SHARE times
+    smaller, which evens out the threads' shares of small products; min_cols bounds their
+    width from below."""
     cdef double flops = 2.0 * M * N * K
-    cdef double min_flops = MIN_TILE_FLOPS / 4 if column_blocks else MIN_TILE_FLOPS
+    cdef double min_flops = MIN_TILE_FLOPS / COLUMN_TILE_SHARE if column_blocks else MIN_TILE_FLOPS
     cdef double target = max(1.0, min(<double> MAX_TILES, flops / min_flops))
     cdef double side = sqrt(<double> M * N / target)
     cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (N / side + 0.5))
@@ -170,7 +184,8 @@ cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_block
 
 def tile_grid(M, N, K, column_blocks=False, min_cols=1):
     """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning); the panel
-    path passes min_cols = PANEL_TILE_WEIGHT_BYTES // (K * itemsize)."""
+    path passes min_cols = PANEL_TILE_WEIGHT_BYTES // (K * itemsize) when the packed x has
+    more than PANEL_X_CACHED_BYTES, else 1."""
     cdef Py_ssize_t tr, tc
     _tile_grid(M, N, K, column_blocks, &tr, &tc, min_cols)
     return tr, tc
@@ -266,7 +281,8 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             raise MemoryError("linear: could not allocate the packed rows of x")
     cdef Py_ssize_t tile_rows, tile_cols
     _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols,
-               PANEL_TILE_WEIGHT_BYTES // (K * sizeof(floating)) if panels else 1)
+               PANEL_TILE_WEIGHT_BYTES // (K * sizeof(floating))
+               if panels and M * K * sizeof(floating) > PANEL_X_CACHED_BYTES else 1)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles

@@ -57,16 +57,17 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_fused_attend_direct_f64, MHA_KV_F16, MHA_KV_I8,
                           mha_kv_direct_scratch, mha_kv_attend_f32, mha_kv_itemsize,
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
-from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, ATTN_MIN_FLOPS_PER_THREAD,
-                             PANEL_TILE_WEIGHT_BYTES, attention_flops, direct_rows,
+from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, PANEL_TILE_WEIGHT_BYTES, attention_flops, direct_rows,
                              largest_group, skip_end_padding, split_k_parts)
 
 cnp.import_array()
 
 # The general kernels' default rules for this shape (tile sizes, split-K, threads, panel
 # blocks) come from _kernel_rules.pxd, as theirs do.
-# Above this much work (all stages) the general path's threads pay for its overhead.
+# Above this much work (all stages), or this much attention, the general path's threads pay
+# for its overhead (its Python and separate kernel calls: ~50 us more than this call).
 cdef double MAX_SERIAL_FLOPS = 2e6
+cdef double MAX_SERIAL_ATTENTION_FLOPS = 2e6
 
 
 cdef struct Step:
@@ -506,7 +507,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
                                              window)
     cdef double flops = attn_flops + 2.0 * rows * s.embed * (s.n_in + heads * d)
     if n_threads > 1 and (flops > MAX_SERIAL_FLOPS
-                          or attn_flops >= 2 * ATTN_MIN_FLOPS_PER_THREAD):
+                          or attn_flops >= MAX_SERIAL_ATTENTION_FLOPS):
         return None
     cdef cnp.ndarray out = cnp.PyArray_EMPTY(3, cnp.PyArray_DIMS(x), typenum, 0)
     cdef int status

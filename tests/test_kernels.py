@@ -187,6 +187,18 @@ def test_tile_grid_covers_and_is_bounded(shape):
     assert target / 2 - 1 <= n_tiles <= 2 * target + 2 or rows == 2 ** 20      # near the target count
 
 
+@pytest.mark.parametrize("shape", [(12, 384, 1152), (32, 384, 384), (64, 384, 1152)],
+                         ids=["minilm_qkv_12_tokens", "minilm_out_32_tokens", "minilm_qkv_64"])
+def test_column_tiles_share_mid_size_products_evenly(shape):
+    """The panel path's tiles of a MiniLM-size projection are many enough (>= 8) that 2 or 3
+    threads taking them dynamically finish within an eighth of each other (3 tiles of 12 x 384
+    -> 1152 ran 1.5x one thread on 2), and at least 16 columns wide."""
+    M, K, N = shape
+    rows, cols = _linear_kernel.tile_grid(M, N, K, True)
+    assert rows == M and cols % 16 == 0 and cols >= 16
+    assert -(-N // cols) >= 8
+
+
 def test_linear_rejects_inconsistent_shapes():
     x, w = np.ones((3, 4)), np.ones((5, 4))
     with pytest.raises(ValueError, match="inconsistent shapes"):
