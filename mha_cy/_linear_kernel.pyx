@@ -1,4 +1,5 @@
-"""The projections of multi-head attention: out := x @ weight.T + bias, tiled over threads.
+"""The projections of multi-head attention: out := x @ weight.T + bias, tiled over threads
+(linear; linear_heads writes the same values head by head, as the attention kernel reads them).
 
 x (M, K) rows are tokens, weight (N, K) is an nn.Linear weight. The output is cut into a grid
 of tiles whose sizes depend on the shape alone (never on the thread count), and the threads
