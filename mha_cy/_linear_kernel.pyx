@@ -19,12 +19,13 @@ from libc.math cimport sqrt
 from libc.limits cimport INT_MAX
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 
 from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM_MAX_ROWS,
-                          MHA_SMALL_GEMM_MIN_WEIGHT_BYTES, mha_small_gemm_f32, mha_small_gemm_f64, mha_row_panels_size_f32,
-                          mha_row_panels_size_f64, mha_pack_row_panels_f32,
+                          MHA_SMALL_GEMM_MIN_WEIGHT_BYTES, mha_small_gemm_f32, mha_small_gemm_f64,
+                          mha_row_panels_size_f32, mha_row_panels_size_f64, mha_pack_row_panels_f32,
                           mha_pack_row_panels_f64, mha_row_panel_gemm_f32,
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
@@ -124,27 +125,22 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
                              bint few_rows, const floating *packed, const Py_ssize_t *row_off,
                              Py_ssize_t head_dim, Py_ssize_t head_shift) noexcept nogil:
     """Tile t of the grid (row-major order of tiles); packed: x in row panels, or NULL.
-    row_off (panels only): out row i at out + row_off[i] instead of i * ldo, and column j of
-    head h = j // head_dim head_shift * h further (linear_heads): the tile is cut at heads."""
+    Panels only: the tile is cut at multiples of head_dim (N: uncut), and column j of head
+    h = j // head_dim goes head_shift * h further; row_off: out row i at out + row_off[i]
+    instead of i * ldo (linear_heads), or NULL."""
     cdef Py_ssize_t r0 = (t // col_tiles) * tile_rows, c0 = (t % col_tiles) * tile_cols
     cdef Py_ssize_t c1 = min(c0 + tile_cols, N), h, ce
-    if packed != NULL and row_off != NULL:
+    if packed != NULL:   # the tile is a column block over all M rows, cut at heads
         while c0 < c1:
             h = c0 // head_dim
             ce = min(c1, (h + 1) * head_dim)
             if floating is float:
-                mha_row_panel_gemm_f32(packed, M, K, w, ldx, bias, out + h * head_shift, 0,
+                mha_row_panel_gemm_f32(packed, M, K, w, ldx, bias, out + h * head_shift, ldo,
                                        row_off, c0, ce)
             else:
-                mha_row_panel_gemm_f64(packed, M, K, w, ldx, bias, out + h * head_shift, 0,
+                mha_row_panel_gemm_f64(packed, M, K, w, ldx, bias, out + h * head_shift, ldo,
                                        row_off, c0, ce)
             c0 = ce
-        return
-    if packed != NULL:   # the tile is a column block over all M rows
-        if floating is float:
-            mha_row_panel_gemm_f32(packed, M, K, w, ldx, bias, out, ldo, NULL, c0, c1)
-        else:
-            mha_row_panel_gemm_f64(packed, M, K, w, ldx, bias, out, ldo, NULL, c0, c1)
         return
     _linear_block(x + r0 * ldx, ldx, w + c0 * ldx, ldx, NULL if bias == NULL else bias + c0,
                   out + r0 * ldo + c0, ldo, min(tile_rows, M - r0), c1 - c0, K, few_rows)
@@ -265,7 +261,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             if row_off == NULL:
                 raise MemoryError("linear: could not allocate the row offsets")
             for i in range(M):
-                row_off[i] = (i // heads_length) * N * heads_length + (i % heads_length) * head_dim
+                row_off[i] = _head_row_offset(i, heads_length, N, head_dim)
             head_shift = (heads_length - 1) * head_dim
         else:
             tmp = <floating *> malloc(M * N * sizeof(floating))
@@ -289,6 +285,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles
     cdef int team = <int> max(1, min(<Py_ssize_t> n_threads, n_tiles))
     cdef Py_ssize_t t, p
+    cdef Py_ssize_t segment = head_dim if row_off != NULL else N   # the tiles' cuts
 
     if team == 1:        # no parallel region: it costs microseconds even for one thread
         with nogil:
@@ -296,7 +293,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
                 _pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
             for t in range(n_tiles):
                 _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
-                             o_ptr, ldo, M, N, K, few_rows, packed, row_off, head_dim,
+                             o_ptr, ldo, M, N, K, few_rows, packed, row_off, segment,
                              head_shift)
     else:
         with nogil, parallel(num_threads=team):
@@ -307,7 +304,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             mha_omp_barrier()
             for t in prange(n_tiles, schedule='dynamic'):
                 _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
-                             o_ptr, ldo, M, N, K, few_rows, packed, row_off, head_dim,
+                             o_ptr, ldo, M, N, K, few_rows, packed, row_off, segment,
                              head_shift)
     free(packed)
     free(row_off)
@@ -317,14 +314,21 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
         free(tmp)
 
 
+cdef inline Py_ssize_t _head_row_offset(Py_ssize_t i, Py_ssize_t length, Py_ssize_t n,
+                                        Py_ssize_t d) noexcept nogil:
+    """Where row i of x (token i % length of sequence i // length) starts in head 0 of a
+    (B, n // d, length, d) C-contiguous array; head h is h * length * d further."""
+    return (i // length) * n * length + (i % length) * d
+
+
 cdef void _scatter_heads(const floating *src, floating *dest, Py_ssize_t M, Py_ssize_t N,
                          Py_ssize_t length, Py_ssize_t d) noexcept nogil:
     """dest (B, N // d, length, d) := src (B * length, N) split into heads."""
-    cdef Py_ssize_t i, j
+    cdef Py_ssize_t i, h, off
     for i in range(M):
-        for j in range(N):
-            dest[(i // length) * N * length + (j // d) * length * d + (i % length) * d
-                 + j % d] = src[i * N + j]
+        off = _head_row_offset(i, length, N, d)
+        for h in range(N // d):
+            memcpy(dest + off + h * length * d, src + i * N + h * d, d * sizeof(floating))
 
 
 def _set_tiling(min_tile_flops, max_tiles):
