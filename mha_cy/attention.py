@@ -147,24 +147,28 @@ def _plain_sdpa_operands(q, k, v):
             and v.strides[2] == dv * item)
 
 
+def _token_rows(x):
+    """A (B, L, in) array as the (B * L, in) C-contiguous, aligned rows the linear kernel reads
+    (copied if needed: unaligned REAL * loads are UB in C)."""
+    if not (x.flags.c_contiguous and x.flags.aligned):
+        x = np.array(x, order="C")
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+
 def _linear(x, weight, bias, n_threads):
     """(B, L, in) @ weight.T + bias -> (B, L, out), on the threads of the linear kernel."""
-    batch, length, width = x.shape
+    batch, length, _ = x.shape
     out = np.empty((batch * length, weight.shape[0]), dtype=x.dtype)
-    if not (x.flags.c_contiguous and x.flags.aligned):   # unaligned REAL * loads are UB in C
-        x = np.array(x, order="C")
-    _linear_kernel.linear(x.reshape(batch * length, width), weight, bias, out, n_threads)
+    _linear_kernel.linear(_token_rows(x), weight, bias, out, n_threads)
     return out.reshape(batch, length, -1)
 
 
 def _linear_heads(x, weight, bias, heads, head_dim, n_threads):
     """(B, L, in) @ weight.T + bias split into heads: a C-contiguous (B, heads, L, head_dim)
     array (each head's rows contiguous, as the attention kernel reads them fastest)."""
-    batch, length, width = x.shape
+    batch, length, _ = x.shape
     out = np.empty((batch, heads, length, head_dim), dtype=x.dtype)
-    if not (x.flags.c_contiguous and x.flags.aligned):   # unaligned REAL * loads are UB in C
-        x = np.array(x, order="C")
-    _linear_kernel.linear_heads(x.reshape(batch * length, width), weight, bias, out, n_threads)
+    _linear_kernel.linear_heads(_token_rows(x), weight, bias, out, n_threads)
     return out
 
 
