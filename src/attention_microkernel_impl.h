@@ -124,9 +124,27 @@ FN(pv_cols_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, 
     }
 }
 
-/* What every block does once its M rows of scores for keys [j0, j0 + nk) are in s: per row
- * the masks and the online softmax (attention_tile.c: the same mask and NaN semantics as the
- * BLAS path), then acc += P V over the tile's rows of V, never reading V at a hidden key.
+/* The masks and the online softmax of each of the M rows against the keys [j0, j0 + nk)
+ * (attention_tile.c: the same mask and NaN semantics as the BLAS path). */
+static inline __attribute__((always_inline)) void
+FN(softmax_rows_)(const int M, REAL *s, int nk, int dv, ptrdiff_t j0, const REAL *add,
+                  ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
+                  ptrdiff_t limit_step, ptrdiff_t window, REAL *m, REAL *l, REAL *acc)
+{
+    for (int i = 0; i < M; i++) {
+        ptrdiff_t n_valid = limit + i * limit_step - j0;
+        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
+        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
+        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
+        SOFTMAX_ROW(s + i * NK, nk, add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                    pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid, m + i, l + i,
+                    acc + i * dv, dv);
+    }
+}
+
+/* What every block of the packed kernel does once its M rows of scores for keys
+ * [j0, j0 + nk) are in s: the rows' softmax, then acc += P V over the tile's rows of V,
+ * never reading V at a hidden key.
  * pv: PV_CHECK (see pv_cols_), PV_FINITE (the caller found the V tile finite), PV_EXACT. */
 #define PV_CHECK 0
 #define PV_FINITE 1
@@ -138,15 +156,8 @@ FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
                     ptrdiff_t window,
                     REAL *m, REAL *l, REAL *acc, const int pv)
 {
-    for (int i = 0; i < M; i++) {
-        ptrdiff_t n_valid = limit + i * limit_step - j0;
-        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
-        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
-        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
-        SOFTMAX_ROW(s + i * NK, nk, add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                    pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid, m + i, l + i,
-                    acc + i * dv, dv);
-    }
+    FN(softmax_rows_)(M, s, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step, window,
+                      m, l, acc);
     const REAL *vt = v + j0 * v_rs;
     ptrdiff_t e = 0;
     for (; pv != PV_EXACT && e + VL <= dv; e += VL)
@@ -271,7 +282,7 @@ static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
 #endif
 
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
-static inline void FN(prefetch_row_)(const REAL *x, int n)
+static inline __attribute__((always_inline)) void FN(prefetch_row_)(const REAL *x, int n)
 {
     for (ptrdiff_t e = 0; e < n; e += 64 / (ptrdiff_t)sizeof(REAL))
         __builtin_prefetch(x + e);
@@ -328,6 +339,59 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
     }
 }
 
+/* acc[i * dv + e0 + (0 .. NV * W)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
+ * i < M: M x NV vectors of sums in registers (NV * M <= 8: eight independent FMA chains, as
+ * many as two FMA units of latency 4 need; with two vectors a row, one row ran a chain of
+ * dependent FMAs). Sums that come out non-finite (an inf or NaN in V, maybe at a hidden key)
+ * are redone by pv_exact_ from acc, still unchanged. */
+static inline __attribute__((always_inline)) void
+FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
+              REAL *acc, int dv, ptrdiff_t e0)
+{
+    VEC a[8];
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NV; c++)
+            a[i * NV + c] = *(VEC *)(acc + i * dv + e0 + c * W);
+    for (ptrdiff_t t = 0; t < n; t++) {
+        VEC b[8];
+        for (int c = 0; c < NV; c++)
+            b[c] = *(const VEC *)(v + t * v_rs + e0 + c * W);
+        for (int i = 0; i < M; i++) {
+            REAL x = s[i * NK + t];
+            for (int c = 0; c < NV; c++)
+                a[i * NV + c] += x * b[c];
+        }
+    }
+    VEC bad = (VEC){0};
+    for (int u = 0; u < M * NV; u++)
+        bad += a[u] * 0;
+    int non_finite = 0;
+    for (int u = 0; u < W; u++)
+        non_finite |= bad[u] != bad[u];
+    if (__builtin_expect(non_finite, 0)) {
+        FN(pv_exact_)(M, s, n, v, v_rs, acc, dv, e0, e0 + NV * W);
+        return;
+    }
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NV; c++)
+            *(VEC *)(acc + i * dv + e0 + c * W) = a[i * NV + c];
+}
+
+/* acc += P V for the M rows of the direct kernel, NV column vectors a row at a time. */
+static inline __attribute__((always_inline)) void
+FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
+               int dv)
+{
+    const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
+    ptrdiff_t e = 0;
+    for (; e + NV * W <= dv; e += NV * W)
+        FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e);
+    for (; e + W <= dv; e += W)
+        FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e);
+    if (e < dv)
+        FN(pv_exact_)(M, s, nk, v, v_rs, acc, dv, e, dv);
+}
+
 static inline __attribute__((always_inline)) void
 FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                   ptrdiff_t k_rs, int nk, const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0,
@@ -338,8 +402,9 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
 {
     FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
                        prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
-    FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
-                        limit_step, window, m, l, acc, PV_CHECK);
+    FN(softmax_rows_)(M, s, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step, window,
+                      m, l, acc);
+    FN(direct_pv_)(M, s, nk, v + j0 * v_rs, v_rs, acc, dv);
 }
 
 #define DBLOCK(M)                                                                            \

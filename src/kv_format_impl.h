@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
          + __builtin_shuffle(f, g, (FN(kvmask_)){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-static inline void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
+static inline __attribute__((always_inline)) void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
 {
     for (ptrdiff_t e = 0; e < bytes; e += 64)
         __builtin_prefetch(x + e);
@@ -184,54 +184,48 @@ static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, con
     return 1;
 }
 
-/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M and every e: 2 vectors
- * of columns at a time with the M x 2 sums in registers, each V row converted once; sums
- * that come out non-finite are redone by kv_pv_exact_ (acc still holds the old ones). */
+/* acc[i * dv + e0 + (0 .. NV * W)) += sum_j s[i * NK + j] v[j * v_rs + e0 + ...] for i < M:
+ * the M x NV sums in registers (NV * M <= 8: eight independent FMA chains; one row with two
+ * vectors ran a chain of dependent FMAs), each V row converted once; sums that come out
+ * non-finite are redone by kv_pv_exact_ (acc still holds the old ones). */
+static inline __attribute__((always_inline)) void
+FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int nk,
+                 const void *v, ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0)
+{
+    VEC a[8];
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NV; c++)
+            a[i * NV + c] = *(VEC *)(acc + i * dv + e0 + c * W);
+    for (ptrdiff_t j = 0; j < nk; j++) {
+        VEC b[8];
+        for (int c = 0; c < NV; c++)
+            b[c] = FN(kv_load8_)(fmt, v, j * v_rs + e0 + c * W);
+        for (int i = 0; i < M; i++) {
+            float p = s[i * NK + j];
+            for (int c = 0; c < NV; c++)
+                a[i * NV + c] += p * b[c];
+        }
+    }
+    if (!FN(kv_finite_)(M * NV, a)) {
+        FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e0, e0 + NV * W);
+        return;
+    }
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NV; c++)
+            *(VEC *)(acc + i * dv + e0 + c * W) = a[i * NV + c];
+}
+
+/* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M and every e. */
 static inline __attribute__((always_inline)) void
 FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, ptrdiff_t v_rs,
            float *acc, int dv)
 {
+    const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
     ptrdiff_t e = 0;
-    for (; e + 2 * W <= dv; e += 2 * W) {
-        VEC a0[DRB], a1[DRB];
-        for (int i = 0; i < M; i++) {
-            a0[i] = *(VEC *)(acc + i * dv + e);
-            a1[i] = *(VEC *)(acc + i * dv + e + W);
-        }
-        for (ptrdiff_t j = 0; j < nk; j++) {
-            VEC b0 = FN(kv_load8_)(fmt, v, j * v_rs + e);
-            VEC b1 = FN(kv_load8_)(fmt, v, j * v_rs + e + W);
-            for (int i = 0; i < M; i++) {
-                float p = s[i * NK + j];
-                a0[i] += p * b0;
-                a1[i] += p * b1;
-            }
-        }
-        if (!(FN(kv_finite_)(M, a0) && FN(kv_finite_)(M, a1))) {
-            FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, e + 2 * W);
-            continue;
-        }
-        for (int i = 0; i < M; i++) {
-            *(VEC *)(acc + i * dv + e) = a0[i];
-            *(VEC *)(acc + i * dv + e + W) = a1[i];
-        }
-    }
-    for (; e + W <= dv; e += W) {
-        VEC a0[DRB];
-        for (int i = 0; i < M; i++)
-            a0[i] = *(VEC *)(acc + i * dv + e);
-        for (ptrdiff_t j = 0; j < nk; j++) {
-            VEC b0 = FN(kv_load8_)(fmt, v, j * v_rs + e);
-            for (int i = 0; i < M; i++)
-                a0[i] += s[i * NK + j] * b0;
-        }
-        if (!FN(kv_finite_)(M, a0)) {
-            FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, e + W);
-            continue;
-        }
-        for (int i = 0; i < M; i++)
-            *(VEC *)(acc + i * dv + e) = a0[i];
-    }
+    for (; e + NV * W <= dv; e += NV * W)
+        FN(kv_pv_panel_)(fmt, M, NV, s, nk, v, v_rs, acc, dv, e);
+    for (; e + W <= dv; e += W)
+        FN(kv_pv_panel_)(fmt, M, 1, s, nk, v, v_rs, acc, dv, e);
     if (e < dv)
         FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
 }
