@@ -386,8 +386,19 @@ FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs
     ptrdiff_t e = 0;
     for (; e + NV * W <= dv; e += NV * W)
         FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e);
-    for (; e + W <= dv; e += W)
+    /* the columns left, in narrower panels (each as many chains as it can have) */
+    if (NV > 4 && e + 4 * W <= dv) {
+        FN(pv_panel_)(M, 4, s, nk, v, v_rs, acc, dv, e);
+        e += 4 * W;
+    }
+    if (NV > 2 && e + 2 * W <= dv) {
+        FN(pv_panel_)(M, 2, s, nk, v, v_rs, acc, dv, e);
+        e += 2 * W;
+    }
+    if (e + W <= dv) {
         FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e);
+        e += W;
+    }
     if (e < dv)
         FN(pv_exact_)(M, s, nk, v, v_rs, acc, dv, e, dv);
 }

@@ -224,8 +224,19 @@ FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, pt
     ptrdiff_t e = 0;
     for (; e + NV * W <= dv; e += NV * W)
         FN(kv_pv_panel_)(fmt, M, NV, s, nk, v, v_rs, acc, dv, e);
-    for (; e + W <= dv; e += W)
+    /* the columns left, in narrower panels (each as many chains as it can have) */
+    if (NV > 4 && e + 4 * W <= dv) {
+        FN(kv_pv_panel_)(fmt, M, 4, s, nk, v, v_rs, acc, dv, e);
+        e += 4 * W;
+    }
+    if (NV > 2 && e + 2 * W <= dv) {
+        FN(kv_pv_panel_)(fmt, M, 2, s, nk, v, v_rs, acc, dv, e);
+        e += 2 * W;
+    }
+    if (e + W <= dv) {
         FN(kv_pv_panel_)(fmt, M, 1, s, nk, v, v_rs, acc, dv, e);
+        e += W;
+    }
     if (e < dv)
         FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
 }

@@ -241,6 +241,9 @@ KERNEL_CASES = {
     "decode_gqa": (2, 8, 2, 1, 300, 64, True, None),
     "decode_mha_row": (2, 3, 3, 1, 200, 24, True, None),
     "decode_gqa_d8": (1, 8, 1, 1, 70, 8, True, None),
+    # P V panels of 8 / rows column vectors, then the narrower ones of the columns left
+    "decode_row_d88": (2, 2, 2, 1, 150, 88, True, None),
+    "decode_pairs_d40": (1, 4, 2, 1, 130, 40, True, None),
     "split_k": (1, 4, 1, 1, 1500, 64, True, None),
     "split_k_window": (1, 2, 1, 1, 2100, 32, True, 700),
     "prefill": (1, 4, 2, 40, 90, 32, True, None),
