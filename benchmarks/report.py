@@ -211,6 +211,24 @@ def weights_cost(by_workload: dict) -> str | None:
             + ", ".join(f"`{name}` {ratio:.2f}×" for name, ratio in ratios) + " (target: at most 1.5×).")
 
 
+def cache_format_gain(by_workload: dict) -> str | None:
+    """How many times faster a float16 / int8 cache makes the decode step than a float32 one
+    (decode_cache_f32 median / theirs), per implementation, beside the most the bytes allow:
+    the step reads the projection weights too, so at the read roof its time scales with all
+    the bytes it moves, not with the cache's alone."""
+    base = {r["implementation"]: r for r in by_workload.get("decode_cache_f32", [])}
+    parts = []
+    for fmt in ("f16", "int8"):
+        for r in sorted(by_workload.get(f"decode_cache_{fmt}", []), key=_impl_key):
+            b = base.get(r["implementation"])
+            if b is not None and r.get("bytes"):
+                parts.append(f"{fmt} `{r['implementation']}` {b['median'] / r['median']:.2f}× "
+                             f"(bytes allow {b['bytes'] / r['bytes']:.2f}×)")
+    if not parts:
+        return None
+    return "Step speedup over the float32 cache (median): " + ", ".join(parts) + "."
+
+
 def report(data: dict, source: str) -> str:
     out = [f"Source: {source}", "", machine_line(data), ""]
     by_workload = rows_by_workload(data)
@@ -219,6 +237,8 @@ def report(data: dict, source: str) -> str:
         out += workload_table(workload, rows)
         if workload == "encoder_weights" and weights_cost(by_workload):
             out += ["", weights_cost(by_workload)]
+        if workload == "decode_cache_int8" and cache_format_gain(by_workload):
+            out += ["", cache_format_gain(by_workload)]
         out.append("")
     if len(out) == 4:
         out.append("(no mha_cy benchmark in this file)")
