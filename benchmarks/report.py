@@ -229,16 +229,19 @@ def cache_format_gain(by_workload: dict) -> str | None:
     return "Step speedup over the float32 cache (median): " + ", ".join(parts) + "."
 
 
+# A line under a workload's table that compares it with another workload.
+SUMMARIES = {"encoder_weights": weights_cost, "decode_cache_int8": cache_format_gain}
+
+
 def report(data: dict, source: str) -> str:
     out = [f"Source: {source}", "", machine_line(data), ""]
     by_workload = rows_by_workload(data)
     for workload, rows in by_workload.items():
         out.append(workload_caption(workload, rows))
         out += workload_table(workload, rows)
-        if workload == "encoder_weights" and weights_cost(by_workload):
-            out += ["", weights_cost(by_workload)]
-        if workload == "decode_cache_int8" and cache_format_gain(by_workload):
-            out += ["", cache_format_gain(by_workload)]
+        summary = SUMMARIES[workload](by_workload) if workload in SUMMARIES else None
+        if summary:
+            out += ["", summary]
         out.append("")
     if len(out) == 4:
         out.append("(no mha_cy benchmark in this file)")

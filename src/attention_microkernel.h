@@ -54,7 +54,7 @@
  * ~136 ns of CPU per key per 4-row task); the FMAs of the scores take one load each (10 per
  * 8 FMAs: gcc folds the q loads into them) and Zen 1 loads one 256-bit vector per cycle.
  * P V keeps 8 / rows column vectors of sums per row (8 independent FMA chains): with 2 per
- * row a one-row task ran one dependent chain. Zen 3 (family 25), 1 thread, keys in L2, min
+ * row a one-row task had 2 chains in flight. Zen 3 (family 25), 1 thread, keys in L2, min
  * ns per key, before -> after: float16 cache 1 row 27-34 -> 17-24, int8 1-2 rows ~12% less;
  * float32 within the noise. Tasks of 8 rows as one block (8 rows x 1 key per score block)
  * measured no faster than two blocks of 4 beyond L3 and were not kept; they made gcc drop

@@ -41,8 +41,8 @@ static inline void FN(pack_keys_)(const REAL *k, ptrdiff_t k_rs, int d, int nk, 
 }
 
 /* a0[i], a1[i] += sum_t x[i * x_rs + t] * b[t * b_rs + (0 .. 2W)] for i < M, t < n: the
- * register block of both products (scores: x = Q, b = the packed keys; P V: x = P, b = V),
- * one vector load of b per t serving M rows. */
+ * register block of the packed kernel's scores (x = Q, b = the packed keys), one vector load
+ * of b per t serving M rows (pv_panel_ is the same loop for P V, with NV vectors a row). */
 static inline __attribute__((always_inline)) void
 FN(outer_block_)(const int M, const REAL *x, ptrdiff_t x_rs, const REAL *b, ptrdiff_t b_rs,
                  ptrdiff_t n, VEC *a0, VEC *a1)
@@ -76,7 +76,7 @@ FN(scores_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
 
 /* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e1), skipping
  * the hidden keys (probability -0.0, attention_tile.h): their V is never read. The slow path
- * of pv_cols_, and the last dv % VL columns. */
+ * of pv_panel_, and the columns no panel covers. */
 static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
                           REAL *acc, int dv, ptrdiff_t e0, ptrdiff_t e1)
 {
@@ -90,38 +90,49 @@ static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t
         }
 }
 
-/* The same for e in [e0, e0 + VL), in registers over every key (V finite: a hidden key's
- * -0.0 adds nothing). check: unless the sums come out finite (x * 0 is NaN just for an inf or
+/* acc[i * dv + e0 + (0 .. NV * W)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
+ * i < M, in registers over every key (V finite: a hidden key's -0.0 adds nothing): M x NV
+ * vectors of sums. The direct kernel takes NV = 8 / M (eight independent FMA chains, as many
+ * as two FMA units of latency 4 need; with two vectors a row, a one-row task had two), the
+ * packed one NV = 2. check: unless the sums come out finite (x * 0 is NaN just for an inf or
  * NaN x: a NaN or inf in V, maybe at a hidden key), redo the columns by pv_exact_ from acc,
- * still unchanged. The direct kernel checks so (2 M vector operations per nk keys; checking
- * its V tile first would cost as much as its P V of 1-4 rows); the packed kernel checks each
- * V tile once for all its row blocks instead (this check cost it 10-20%: registers). */
+ * still unchanged. The direct kernel checks so (2 M NV vector operations per nk keys;
+ * checking its V tile first would cost as much as its P V of 1-4 rows); the packed kernel
+ * checks each V tile once for all its row blocks instead (this check cost it 10-20%:
+ * registers). */
 static inline __attribute__((always_inline)) void
-FN(pv_cols_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
-             int dv, ptrdiff_t e0, const int check)
+FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
+              REAL *acc, int dv, ptrdiff_t e0, const int check)
 {
-    VEC a0[RB], a1[RB];
-    for (int i = 0; i < M; i++) {
-        a0[i] = *(VEC *)(acc + i * dv + e0);
-        a1[i] = *(VEC *)(acc + i * dv + e0 + W);
+    VEC a[2 * RB];
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NV; c++)
+            a[i * NV + c] = *(VEC *)(acc + i * dv + e0 + c * W);
+    for (ptrdiff_t t = 0; t < n; t++) {
+        VEC b[8];
+        for (int c = 0; c < NV; c++)
+            b[c] = *(const VEC *)(v + t * v_rs + e0 + c * W);
+        for (int i = 0; i < M; i++) {
+            REAL x = s[i * NK + t];
+            for (int c = 0; c < NV; c++)
+                a[i * NV + c] += x * b[c];
+        }
     }
-    FN(outer_block_)(M, s, NK, v + e0, v_rs, nk, a0, a1);
-    VEC bad = (VEC){0};
     int non_finite = 0;
     if (check) {
-        for (int i = 0; i < M; i++)
-            bad += a0[i] * 0 + a1[i] * 0;
+        VEC bad = (VEC){0};
+        for (int u = 0; u < M * NV; u++)
+            bad += a[u] * 0;
         for (int u = 0; u < W; u++)
             non_finite |= bad[u] != bad[u];
     }
     if (__builtin_expect(non_finite, 0)) {
-        FN(pv_exact_)(M, s, nk, v, v_rs, acc, dv, e0, e0 + VL);
+        FN(pv_exact_)(M, s, n, v, v_rs, acc, dv, e0, e0 + NV * W);
         return;
     }
-    for (int i = 0; i < M; i++) {
-        *(VEC *)(acc + i * dv + e0) = a0[i];
-        *(VEC *)(acc + i * dv + e0 + W) = a1[i];
-    }
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NV; c++)
+            *(VEC *)(acc + i * dv + e0 + c * W) = a[i * NV + c];
 }
 
 /* The masks and the online softmax of each of the M rows against the keys [j0, j0 + nk)
@@ -144,24 +155,21 @@ FN(softmax_rows_)(const int M, REAL *s, int nk, int dv, ptrdiff_t j0, const REAL
 
 /* What every block of the packed kernel does once its M rows of scores for keys
  * [j0, j0 + nk) are in s: the rows' softmax, then acc += P V over the tile's rows of V,
- * never reading V at a hidden key.
- * pv: PV_CHECK (see pv_cols_), PV_FINITE (the caller found the V tile finite), PV_EXACT. */
-#define PV_CHECK 0
-#define PV_FINITE 1
-#define PV_EXACT 2
+ * never reading V at a hidden key. v_finite: the caller found the V tile finite (else every
+ * column takes pv_exact_). */
 static inline __attribute__((always_inline)) void
 FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, int dv,
                     ptrdiff_t j0, const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
                     const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
                     ptrdiff_t window,
-                    REAL *m, REAL *l, REAL *acc, const int pv)
+                    REAL *m, REAL *l, REAL *acc, const int v_finite)
 {
     FN(softmax_rows_)(M, s, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step, window,
                       m, l, acc);
     const REAL *vt = v + j0 * v_rs;
     ptrdiff_t e = 0;
-    for (; pv != PV_EXACT && e + VL <= dv; e += VL)
-        FN(pv_cols_)(M, s, nk, vt, v_rs, acc, dv, e, pv == PV_CHECK);
+    for (; v_finite && e + VL <= dv; e += VL)
+        FN(pv_panel_)(M, 2, s, nk, vt, v_rs, acc, dv, e, 0);
     if (e < dv)
         FN(pv_exact_)(M, s, nk, vt, v_rs, acc, dv, e, dv);
 }
@@ -191,17 +199,18 @@ FN(block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, in
            const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0, REAL scale,
            const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
            ptrdiff_t limit, ptrdiff_t limit_step,
-           ptrdiff_t window, REAL *m, REAL *l, REAL *acc, REAL *s, int pv)
+           ptrdiff_t window, REAL *m, REAL *l, REAL *acc, REAL *s, int v_finite)
 {
     FN(scores_block_)(M, q, q_rs, d, kt, nkp, scale, s);
     FN(softmax_and_pv_)(M, s, nk, v, v_rs, dv, j0, add, add_rs, add_ks, pad, limit,
-                        limit_step, window, m, l, acc, pv);
+                        limit_step, window, m, l, acc, v_finite);
 }
 
 #define BLOCK(M)                                                                             \
     FN(block_)((M), q + r * q_rs, q_rs, d, kt, nk, nkp, v, v_rs, dv, j0, scale,             \
                add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,                   \
-               limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv, s, pv)
+               limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv, s,     \
+               v_finite)
 
 void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
                            const REAL *k, ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs, int dv,
@@ -216,7 +225,7 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
         int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
         int nkp = (nk + VL - 1) / VL * VL;
         FN(pack_keys_)(k + j0 * k_rs, k_rs, d, nk, nkp, kt);
-        int pv = FN(all_finite_)(v + j0 * v_rs, v_rs, nk, dv) ? PV_FINITE : PV_EXACT;
+        int v_finite = FN(all_finite_)(v + j0 * v_rs, v_rs, nk, dv);
         for (ptrdiff_t r = 0; r < rows; r += RB) {
             int left = (int)(rows - r);
             /* rows that see no key of the tile (above the causal diagonal) are left as they
@@ -339,44 +348,6 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
     }
 }
 
-/* acc[i * dv + e0 + (0 .. NV * W)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
- * i < M: M x NV vectors of sums in registers (NV * M <= 8: eight independent FMA chains, as
- * many as two FMA units of latency 4 need; with two vectors a row, one row ran a chain of
- * dependent FMAs). Sums that come out non-finite (an inf or NaN in V, maybe at a hidden key)
- * are redone by pv_exact_ from acc, still unchanged. */
-static inline __attribute__((always_inline)) void
-FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
-              REAL *acc, int dv, ptrdiff_t e0)
-{
-    VEC a[8];
-    for (int i = 0; i < M; i++)
-        for (int c = 0; c < NV; c++)
-            a[i * NV + c] = *(VEC *)(acc + i * dv + e0 + c * W);
-    for (ptrdiff_t t = 0; t < n; t++) {
-        VEC b[8];
-        for (int c = 0; c < NV; c++)
-            b[c] = *(const VEC *)(v + t * v_rs + e0 + c * W);
-        for (int i = 0; i < M; i++) {
-            REAL x = s[i * NK + t];
-            for (int c = 0; c < NV; c++)
-                a[i * NV + c] += x * b[c];
-        }
-    }
-    VEC bad = (VEC){0};
-    for (int u = 0; u < M * NV; u++)
-        bad += a[u] * 0;
-    int non_finite = 0;
-    for (int u = 0; u < W; u++)
-        non_finite |= bad[u] != bad[u];
-    if (__builtin_expect(non_finite, 0)) {
-        FN(pv_exact_)(M, s, n, v, v_rs, acc, dv, e0, e0 + NV * W);
-        return;
-    }
-    for (int i = 0; i < M; i++)
-        for (int c = 0; c < NV; c++)
-            *(VEC *)(acc + i * dv + e0 + c * W) = a[i * NV + c];
-}
-
 /* acc += P V for the M rows of the direct kernel, NV column vectors a row at a time. */
 static inline __attribute__((always_inline)) void
 FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
@@ -385,18 +356,18 @@ FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs
     const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
     ptrdiff_t e = 0;
     for (; e + NV * W <= dv; e += NV * W)
-        FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e);
+        FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1);
     /* the columns left, in narrower panels (each as many chains as it can have) */
     if (NV > 4 && e + 4 * W <= dv) {
-        FN(pv_panel_)(M, 4, s, nk, v, v_rs, acc, dv, e);
+        FN(pv_panel_)(M, 4, s, nk, v, v_rs, acc, dv, e, 1);
         e += 4 * W;
     }
     if (NV > 2 && e + 2 * W <= dv) {
-        FN(pv_panel_)(M, 2, s, nk, v, v_rs, acc, dv, e);
+        FN(pv_panel_)(M, 2, s, nk, v, v_rs, acc, dv, e, 1);
         e += 2 * W;
     }
     if (e + W <= dv) {
-        FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e);
+        FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e, 1);
         e += W;
     }
     if (e < dv)
@@ -459,9 +430,6 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 #undef VEC
 #undef W
 #undef LANES_CHECK
-#undef PV_CHECK
-#undef PV_FINITE
-#undef PV_EXACT
 #undef NK
 #undef FN
 #undef MHA_CAT

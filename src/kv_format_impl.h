@@ -185,9 +185,10 @@ static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, con
 }
 
 /* acc[i * dv + e0 + (0 .. NV * W)) += sum_j s[i * NK + j] v[j * v_rs + e0 + ...] for i < M:
- * the M x NV sums in registers (NV * M <= 8: eight independent FMA chains; one row with two
- * vectors ran a chain of dependent FMAs), each V row converted once; sums that come out
- * non-finite are redone by kv_pv_exact_ (acc still holds the old ones). */
+ * the M x NV sums in registers (NV * M <= 8: eight independent FMA chains; with two vectors
+ * a row, a one-row task had two), each V row converted once; sums that come out non-finite
+ * are redone by kv_pv_exact_ (acc still holds the old ones). The float32 kernel's pv_panel_
+ * (attention_microkernel_impl.h) is this loop with plain loads. */
 static inline __attribute__((always_inline)) void
 FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int nk,
                  const void *v, ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0)
