@@ -19,22 +19,18 @@
 #define REAL float
 #define TYPE_SUFFIX f32
 #define VL 16          /* lanes of one 512-bit vector */
-#define SOFTMAX_ROW mha_online_softmax_row_f32
 #include "simd_isas.h"
 #undef REAL
 #undef TYPE_SUFFIX
 #undef VL
-#undef SOFTMAX_ROW
 
 #define REAL double
 #define TYPE_SUFFIX f64
 #define VL 8
-#define SOFTMAX_ROW mha_online_softmax_row_f64
 #include "simd_isas.h"
 #undef REAL
 #undef TYPE_SUFFIX
 #undef VL
-#undef SOFTMAX_ROW
 
 #ifdef MHA_SIMD_DISPATCH
 /* The scratch size is the same at every level. */

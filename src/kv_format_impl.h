@@ -261,10 +261,10 @@ FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
         n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
         ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
         n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
-        mha_online_softmax_row_f32(s + i * NK, nk,
-                                   add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                                   pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
-                                   m + i, l + i, acc + i * dv, dv);
+        FN(mha_online_softmax_row_)(s + i * NK, nk,
+                                    add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                                    pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
+                                    m + i, l + i, acc + i * dv, dv);
         if (fmt == MHA_KV_I8)       /* fold the value scales into p; a masked key (p = 0)
                                        stays 0 even when its row held NaN (scale NaN) */
             for (ptrdiff_t j = 0; j < nk; j++) {
