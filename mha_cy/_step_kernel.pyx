@@ -332,11 +332,14 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
 
 
 cdef inline bint _c_contiguous(object a, int typenum) noexcept:
-    """a is a C-contiguous, aligned array of that type (the kernels' loads assume aligned
-    elements: an array at an odd byte offset takes the general path, which copies it)."""
+    """a is a C-contiguous, aligned array of that type in native byte order (the kernels'
+    loads assume aligned native elements: an array at an odd byte offset, or a big-endian
+    '>f4' one, whose type number is still NPY_FLOAT32, takes the general path, which
+    converts it)."""
     return (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray> a) == typenum
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> a)
-            and cnp.PyArray_ISALIGNED(<cnp.ndarray> a))
+            and cnp.PyArray_ISALIGNED(<cnp.ndarray> a)
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> a))
 
 
 cdef inline Py_ssize_t _shape_0(object a) noexcept:

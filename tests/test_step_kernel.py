@@ -413,3 +413,21 @@ def test_unaligned_inputs_take_the_general_path(rng, taken):
     np.testing.assert_array_equal(
         mha_cy.scaled_dot_product_attention(_unaligned(q), q, q),
         mha_cy.scaled_dot_product_attention(q, q, q))
+
+
+@pytest.mark.parametrize("dtype,fmt", [(np.float64, None), (np.float32, None),
+                                       (np.float32, np.float16), (np.float32, "int8")],
+                         ids=["f64", "f32", "f16", "i8"])
+def test_big_endian_steps_take_the_general_path(rng, taken, dtype, fmt):
+    """A '>f4' / '>f8' query has the type number of float32 / float64: the compiled step
+    used to read its bytes as native ones (wrong output, garbage written to the cache)."""
+    mha = _module(rng, (64, 4, 2, 16), dtype, mha_cy.RoPE(), None)
+    fast, general = mha.new_cache(2, 8, dtype=fmt), mha.new_cache(2, 8, dtype=fmt)
+    for n in (3, 1):
+        x = rng.standard_normal((2, n, 64)).astype(dtype)
+        taken.clear()
+        out = mha(x.astype(x.dtype.newbyteorder(">")), cache=fast)
+        assert taken == [False]                          # declined: the general path converts
+        np.testing.assert_array_equal(out, mha(x, cache=general))
+    np.testing.assert_array_equal(fast.key, general.key)
+    np.testing.assert_array_equal(fast.value, general.value)
