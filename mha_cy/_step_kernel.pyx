@@ -342,6 +342,12 @@ cdef inline bint _c_contiguous(object a, int typenum) noexcept:
             and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> a))
 
 
+cdef inline bint _writeable(object a) noexcept:
+    """a (an ndarray) may be written: the step stores the new keys/values through raw
+    pointers, which would ignore a cleared WRITEABLE flag (or fault on read-only memory)."""
+    return cnp.PyArray_ISWRITEABLE(<cnp.ndarray> a)
+
+
 cdef inline Py_ssize_t _shape_0(object a) noexcept:
     return cnp.PyArray_DIMS(<cnp.ndarray> a)[0]
 
@@ -402,8 +408,9 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
             kv_fmt = MHA_KV_I8
         else:
             return None
-    if not (_c_contiguous(cache_k, stored) and _c_contiguous(cache_v, stored)):
-        return None
+    if not (_c_contiguous(cache_k, stored) and _c_contiguous(cache_v, stored)
+            and _writeable(cache_k) and _writeable(cache_v)):
+        return None                       # (a read-only cache: the general path raises)
     cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
     cdef cnp.npy_intp *vshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_v)
     # the cache's geometry (the module's fast path leaves it to this check)
@@ -418,7 +425,8 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
         if not (_c_contiguous(k_scale, cnp.NPY_FLOAT32)
                 and _c_contiguous(v_scale, cnp.NPY_FLOAT32)
                 and cnp.PyArray_SIZE(<cnp.ndarray> k_scale) == positions
-                and cnp.PyArray_SIZE(<cnp.ndarray> v_scale) == positions):
+                and cnp.PyArray_SIZE(<cnp.ndarray> v_scale) == positions
+                and _writeable(k_scale) and _writeable(v_scale)):
             return None
     else:
         k_scale = v_scale = None

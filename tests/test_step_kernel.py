@@ -431,3 +431,26 @@ def test_big_endian_steps_take_the_general_path(rng, taken, dtype, fmt):
         np.testing.assert_array_equal(out, mha(x, cache=general))
     np.testing.assert_array_equal(fast.key, general.key)
     np.testing.assert_array_equal(fast.value, general.value)
+
+
+@pytest.mark.parametrize("fmt", [None, np.float16, "int8"], ids=["f32", "f16", "i8"])
+def test_a_read_only_cache_is_not_written(rng, taken, fmt):
+    """The compiled step stores through raw pointers: it used to write into a cache whose
+    arrays were marked read-only (and to count the tokens), where the general path raises."""
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    cache = mha.new_cache(2, 8, dtype=fmt)
+    mha(rng.standard_normal((2, 3, 64)).astype(np.float32), cache=cache)
+    arrays = [cache.key, cache.value] + ([] if fmt != "int8" else
+                                         [cache.key_scale, cache.value_scale])
+    for i in range(len(arrays)):                   # one read-only array is enough to refuse
+        saved = [a.copy() for a in arrays]
+        arrays[i].setflags(write=False)
+        taken.clear()
+        with pytest.raises(ValueError, match="read-only"):
+            mha(rng.standard_normal((2, 1, 64)).astype(np.float32), cache=cache)
+        assert taken == [False]
+        assert cache.length == 3
+        for a, b in zip(arrays, saved):       # the cached positions (the rest is scratch)
+            np.testing.assert_array_equal(a[:, :, :3], b[:, :, :3])
+        assert arrays[i].tobytes() == saved[i].tobytes()   # and nothing at all in that one
+        arrays[i].setflags(write=True)
