@@ -4,6 +4,7 @@ Every error names the argument and gives the expected and the actual value. The 
 validate and convert; what a mask *means* is computed separately by each implementation, so
 that the reference stays an independent oracle for the kernels.
 """
+import math
 import numbers
 
 import numpy as np
@@ -148,9 +149,13 @@ def check_scale(scale, head_dim):
         return 1.0 / float(np.sqrt(head_dim))     # a Python float, like an explicit scale
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None; got {scale!r}")
-    if not np.isfinite(scale):
+    try:            # (np.isfinite refuses a Fraction; float() an int beyond float range)
+        value = float(scale)
+    except OverflowError:
+        value = float("inf")
+    if not math.isfinite(value):
         raise ValueError(f"scale must be finite; got {scale}")
-    return float(scale)
+    return value
 
 
 def check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale):

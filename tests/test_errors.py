@@ -225,6 +225,8 @@ KV = np.ones((2, 2, 5, 8))
     ((Q, KV, KV), dict(scale="2"), TypeError, "scale must be a real number or None"),
     ((Q, KV, KV), dict(scale=True), TypeError, "scale must be a real number"),
     ((Q, KV, KV), dict(scale=np.inf), ValueError, "scale must be finite"),
+    ((Q, KV, KV), dict(scale=10 ** 400), ValueError, "scale must be finite"),   # was a
+    ((Q, KV, KV), dict(scale=-10 ** 400), ValueError, "scale must be finite"),  # NumPy TypeError
     ((Q, KV, KV), dict(is_causal="no"), TypeError, "is_causal must be a bool"),
     ((Q, KV, KV), dict(attn_mask=np.ones((3, 4), bool)), ValueError,
      r"attn_mask of shape \(3, 4\) does not fit \(Lq, Lk\) = \(3, 5\)"),
@@ -234,6 +236,14 @@ KV = np.ones((2, 2, 5, 8))
 def test_sdpa_errors(sdpa, args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         sdpa(*args, **kwargs)
+
+
+def test_sdpa_scale_may_be_any_real_number(sdpa):
+    """numbers.Real is what check_scale accepts: a Fraction raised NumPy's TypeError
+    ("ufunc 'isfinite' not supported") instead of being used."""
+    from fractions import Fraction
+    q = np.random.default_rng(0).standard_normal((1, 2, 3, 8))
+    np.testing.assert_array_equal(sdpa(q, q, q, scale=Fraction(1, 4)), sdpa(q, q, q, scale=0.25))
 
 
 # -- threads ----------------------------------------------------------------------------------
