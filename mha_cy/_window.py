@@ -5,12 +5,22 @@ i + (Lk - Lq) - window < j <= i + (Lk - Lq): the causal diagonal and the window 
 before it. The kernels skip the key tiles outside every row's window (a long decode reads only
 the window); the reference applies it as one more boolean mask.
 """
+import sys
+
 from ._checks import positive_int
 
 
 def check_window(window):
-    """window as an int >= 1, or None (unlimited); TypeError / ValueError otherwise."""
-    return None if window is None else positive_int(window, "window")
+    """window as an int >= 1, or None (unlimited); TypeError / ValueError otherwise.
+    At most sys.maxsize: the kernels take it as a C ssize_t (a larger int raised
+    OverflowError in the middle of a call; sys.maxsize already covers any length)."""
+    if window is None:
+        return None
+    window = positive_int(window, "window")
+    if window > sys.maxsize:
+        raise ValueError(f"window must be <= sys.maxsize = {sys.maxsize} (None = unlimited); "
+                         f"got {window}")
+    return window
 
 
 def require_causal(window, causal):

@@ -1,6 +1,8 @@
 """Sliding-window attention (window=): SDPA and the module against an explicit boolean mask,
 for both tile kernels, prefill, decode with a cache, split-K lengths, GQA, need_weights; keys
 outside the window are not read; thread-count invariance; argument errors."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -169,7 +171,8 @@ def test_window_results_do_not_depend_on_the_thread_count(rng, tile_kernel, shap
 
 
 @pytest.mark.parametrize("bad,error", [(0, ValueError), (-3, ValueError), (1.5, TypeError),
-                                       (True, TypeError), ("4", TypeError)])
+                                       (True, TypeError), ("4", TypeError),
+                                       (sys.maxsize + 1, ValueError)])  # was OverflowError
 def test_bad_window_values(rng, bad, error):
     q, k, v = qkv(rng, np.float32, 1, 2, 2, 4, 4)
     with pytest.raises(error, match="window must be"):
@@ -183,6 +186,13 @@ def test_bad_window_values(rng, bad, error):
     with pytest.raises(error, match="window must be"):
         mha_cy.MultiHeadAttention.from_weights(mha.q_weight, mha.k_weight, mha.v_weight,
                                                mha.out_weight, num_heads=2, window=bad)
+
+
+def test_the_largest_window_is_unlimited(rng):
+    q, k, v = qkv(rng, np.float32, 1, 2, 2, 4, 4)
+    np.testing.assert_array_equal(
+        mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True, window=sys.maxsize),
+        mha_cy.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 def test_window_needs_causal_or_a_cache(rng):
