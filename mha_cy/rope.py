@@ -39,9 +39,13 @@ class RoPE:
                 raise ValueError(f"RoPE dim must be even (features rotate in pairs); got {dim}")
         if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
             raise TypeError(f"RoPE base must be a real number; got {base!r}")
-        base = float(base)
-        if not (math.isfinite(base) and base > 0):
+        try:
+            value = float(base)
+        except OverflowError:           # an int beyond float range (10**400)
+            value = float("inf")
+        if not (math.isfinite(value) and value > 0):
             raise ValueError(f"RoPE base must be finite and > 0; got {base}")
+        base = value
         self._dim, self._base = dim, base
         self._interleaved = check_bool_flag(interleaved, "interleaved")
         self._inv_freq = {}         # head_dim -> inv_freq, filled on first use
