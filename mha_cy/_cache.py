@@ -10,7 +10,10 @@ def _int_per_sequence(value, batch, name):
     """value (an int, or (batch,) ints) as an int64 (batch,) array; TypeError/ValueError else."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int or {batch} ints; got {value!r}")
+    int64 = np.iinfo(np.int64)
     if isinstance(value, numbers.Integral):
+        if not int64.min <= value <= int64.max:      # np.full raised OverflowError
+            raise ValueError(f"{name} is out of range; got {value}")
         return np.full(batch, int(value), dtype=np.int64)
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu":
@@ -18,6 +21,8 @@ def _int_per_sequence(value, batch, name):
                         f"dtype {arr.dtype}")
     if arr.shape != (batch,):
         raise ValueError(f"{name} must be an int or have shape ({batch},); got {arr.shape}")
+    if arr.dtype == np.uint64 and (arr > int64.max).any():   # would wrap to negative ints
+        raise ValueError(f"{name} is out of range; got {arr[arr > int64.max][0]}")
     return arr.astype(np.int64)
 
 

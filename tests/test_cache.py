@@ -228,6 +228,13 @@ def test_truncate_and_reset(rng, impl):
         with pytest.raises(TypeError, match="length must be an int"):
             cache.truncate(bad)
     assert cache.length == 2
+    # beyond int64: OverflowError from np.full; a uint64 wrapped to -1 in the message
+    for bad in (2 ** 70, -2 ** 70, np.array([2 ** 64 - 1, 0], np.uint64)[:x.shape[0]]):
+        with pytest.raises(ValueError, match=r"length is out of range; got (-?1180|18446)"):
+            cache.truncate(bad)
+    with pytest.raises(ValueError, match="indices is out of range; got 18446"):
+        cache.reorder(np.full(x.shape[0], 2 ** 64 - 1, np.uint64))
+    assert cache.length == 2
 
 
 @pytest.mark.parametrize("impl", IMPLS)
