@@ -9,8 +9,20 @@ from scipy.linalg.cython_blas cimport sgemm, dgemm
 cdef void _gemm(BLAS_Trans ta, BLAS_Trans tb, int m, int n, int k, floating alpha,
                 const floating *A, int lda, const floating *B, int ldb, floating beta,
                 floating *C, int ldc) noexcept nogil:
-    """C := alpha * op(A).op(B) + beta * C   (row-major; C is m x n, op(A) m x k, op(B) k x n)"""
+    """C := alpha * op(A).op(B) + beta * C   (row-major; C is m x n, op(A) m x k, op(B) k x n)
+
+    With IEEE arithmetic for alpha = 0 too: BLAS does not read A and B then (C := beta * C),
+    so a NaN or inf in them would not reach C (the attention's scores at scale=0). That case
+    (beta = 0, the only one the kernels use) multiplies by 1, then C by alpha."""
     cdef char ta_c = ta, tb_c = tb
+    cdef floating one = 1
+    cdef Py_ssize_t i, j
+    if alpha == 0 and beta == 0 and k > 0:
+        _gemm(ta, tb, m, n, k, one, A, lda, B, ldb, beta, C, ldc)
+        for i in range(m):
+            for j in range(n):
+                C[i * ldc + j] = C[i * ldc + j] * alpha
+        return
     if floating is float:
         sgemm(&tb_c, &ta_c, &n, &m, &k, &alpha, <float *> B, &ldb, <float *> A, &lda,
               &beta, C, &ldc)

@@ -47,6 +47,24 @@ def test_nan_key_makes_every_row_that_sees_it_nan(rng, dtype, lk, tile_kernel):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lk", [300, 4096], ids=["one_part", "split_k"])
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "plus_inf"])
+def test_nan_or_inf_reaches_the_scores_at_scale_zero(rng, dtype, lk, where, bad, tile_kernel):
+    """0 * NaN and 0 * inf are NaN: BLAS skips its operands when alpha (the scale) is 0, so
+    the BLAS tiles (every head dim above 256 by default) gave a finite row instead."""
+    q, k, v = qkv(rng, dtype, lq=3, lk=lk)
+    (q[0, 1, 2] if where == "q" else k[0, 0, 7])[5] = bad
+    for causal in (False, True):
+        with np.errstate(invalid="ignore"):
+            expected = reference.scaled_dot_product_attention(q, k, v, scale=0.0,
+                                                              is_causal=causal)
+        assert np.isnan(expected).any()
+        assert_same_nans_and_values(SDPA(q, k, v, scale=0.0, is_causal=causal), expected,
+                                    dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lk", [300, 4096], ids=["one_part", "split_k"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "plus_inf"])
 def test_nan_or_plus_inf_in_the_additive_mask_makes_the_row_nan(rng, dtype, lk, bad,
                                                                  tile_kernel):
