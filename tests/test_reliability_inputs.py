@@ -76,3 +76,17 @@ def test_bool_masks_keep_their_meaning():
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="key_padding_mask must be a bool array"):
         m(x, key_padding_mask=pad.astype(np.float32))
+
+
+@pytest.mark.parametrize("impl", [mha_cy, reference])
+def test_big_endian_float64_computes_in_float64(impl):
+    # '>f8' == np.float64 is False: such inputs were computed, and returned, in float32
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)) for _ in range(3))
+    out = impl.scaled_dot_product_attention(q.astype(">f8"), k, v.astype(">f8"))
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, impl.scaled_dot_product_attention(q, k, v))
+    w = [rng.standard_normal((8, 8)) for _ in range(4)]
+    m = impl.MultiHeadAttention.from_weights(*[a.astype(">f8") for a in w], num_heads=2)
+    assert m.dtype == np.float64
+    np.testing.assert_array_equal(m.in_proj_weight, np.concatenate(w[:3]))
