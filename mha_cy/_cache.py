@@ -21,7 +21,7 @@ def _int_per_sequence(value, batch, name):
                         f"dtype {arr.dtype}")
     if arr.shape != (batch,):
         raise ValueError(f"{name} must be an int or have shape ({batch},); got {arr.shape}")
-    if arr.dtype == np.uint64 and (arr > int64.max).any():   # would wrap to negative ints
+    if arr.dtype.kind == "u" and (arr > int64.max).any():    # would wrap to negative ints
         raise ValueError(f"{name} is out of range; got {arr[arr > int64.max][0]}")
     return arr.astype(np.int64)
 
