@@ -150,11 +150,17 @@ class KVCache:
                              f"position {int(bad[0])}")
         # only the cached positions carry state; the rest of each row is scratch
         stop = self.length
-        self.key[:, :, :stop] = self.key[idx, :, :stop]
-        self.value[:, :, :stop] = self.value[idx, :, :stop]
-        if self.key_scale is not None:
-            self.key_scale[:, :, :stop] = self.key_scale[idx, :, :stop]
-            self.value_scale[:, :, :stop] = self.value_scale[idx, :, :stop]
+        arrays = [a for a in (self.key, self.value, self.key_scale, self.value_scale)
+                  if a is not None]
+        # every check before the first write: a read-only array found after the keys moved
+        # would leave the keys of one beam beside the values of another
+        for a, name in zip(arrays, ("key", "value", "key_scale", "value_scale")):
+            if not a.flags.writeable:
+                raise ValueError(f"cache.{name} is read-only: cannot reorder (the cache is "
+                                 "unchanged)")
+        moved = [a[idx, :, :stop] for a in arrays]      # copies, taken before any write
+        for a, m in zip(arrays, moved):
+            a[:, :, :stop] = m
         self._set_lengths(self._lengths[idx])
 
     def copy(self):

@@ -164,6 +164,20 @@ def test_reorder_for_beam_search(rng, impl):
         assert_unchanged(cache, snap)
 
 
+@pytest.mark.parametrize("dtype, read_only", [(None, "value"), (np.float16, "value"),
+                                               ("int8", "value"), ("int8", "value_scale")])
+def test_reorder_of_a_read_only_cache_changes_nothing(rng, dtype, read_only):
+    # the keys used to move before the values' write failed: beams with mixed-up K and V
+    mha = pick(make_pair(rng, 16, 4, np.float32, num_kv_heads=2), "fast")
+    cache = mha.new_cache(3, 10, dtype=dtype)
+    mha(rng.standard_normal((3, 6, 16)).astype(np.float32), cache=cache, lengths=[6, 4, 5])
+    getattr(cache, read_only).flags.writeable = False
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=f"cache.{read_only} is read-only"):
+        cache.reorder([2, 2, 0])
+    assert_unchanged(cache, snap)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_copy_nbytes_and_pickling(rng, impl):
     mha = pick(make_pair(rng, 16, 4, np.float64, num_kv_heads=2), impl)
