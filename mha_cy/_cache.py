@@ -4,6 +4,7 @@ import numbers
 import numpy as np
 
 from ._cache_formats import FloatFormat
+from ._checks import positive_int
 
 
 def _int_per_sequence(value, batch, name):
@@ -49,7 +50,10 @@ class KVCache:
 
     def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype, storage=None):
         fmt = FloatFormat(dtype) if storage is None else storage
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        # (new_cache checks its own arguments; KVCache is public, so direct construction too)
+        shape = tuple(positive_int(n, name) for n, name in (
+            (batch_size, "batch_size"), (num_kv_heads, "num_kv_heads"), (max_len, "max_len"),
+            (head_dim, "head_dim")))
         self._format = fmt
         self.key = np.zeros(shape, dtype=fmt.dtype)
         self.value = np.zeros(shape, dtype=fmt.dtype)

@@ -279,3 +279,14 @@ def test_new_cache_arguments():
             mha.new_cache(bad, 4)
         with pytest.raises(exc, match="max_len"):
             mha.new_cache(1, bad)
+
+
+def test_direct_construction_checks_its_sizes():
+    # KVCache is public: KVCache(0, ...) raised IndexError from inside its lengths bookkeeping
+    good = dict(batch_size=2, num_kv_heads=1, max_len=4, head_dim=8)
+    for name in good:
+        for bad, exc in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(exc, match=name):
+                KVCache(**{**good, name: bad}, dtype=np.float32)
+    cache = KVCache(**good, dtype=np.float32)
+    assert cache.key.shape == (2, 1, 4, 8) and cache.lengths.tolist() == [0, 0]
