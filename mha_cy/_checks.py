@@ -30,6 +30,15 @@ def float_dtype(dtype, name="dtype"):
     return dt
 
 
+def real_as_float(value):
+    """A numbers.Real as a Python float; inf for an int beyond float range (10**400), where
+    float() raises OverflowError, so that the caller's finiteness check names the argument."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def positive_int(value, name):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= 1; got {value!r}")
@@ -151,10 +160,7 @@ def check_scale(scale, head_dim):
         return 1.0 / float(np.sqrt(head_dim))     # a Python float, like an explicit scale
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None; got {scale!r}")
-    try:            # (np.isfinite refuses a Fraction; float() an int beyond float range)
-        value = float(scale)
-    except OverflowError:
-        value = float("inf")
+    value = real_as_float(scale)    # (np.isfinite refuses a Fraction)
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite; got {scale}")
     return value

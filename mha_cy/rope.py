@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from ._checks import check_bool_flag, positive_int
+from ._checks import check_bool_flag, positive_int, real_as_float
 
 __all__ = ["RoPE"]
 
@@ -39,10 +39,7 @@ class RoPE:
                 raise ValueError(f"RoPE dim must be even (features rotate in pairs); got {dim}")
         if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
             raise TypeError(f"RoPE base must be a real number; got {base!r}")
-        try:
-            value = float(base)
-        except OverflowError:           # an int beyond float range (10**400)
-            value = float("inf")
+        value = real_as_float(base)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"RoPE base must be finite and > 0; got {base}")
         base = value
