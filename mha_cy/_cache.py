@@ -154,11 +154,13 @@ class KVCache:
                              f"position {int(bad[0])}")
         # only the cached positions carry state; the rest of each row is scratch
         stop = self.length
-        arrays = [a for a in (self.key, self.value, self.key_scale, self.value_scale)
-                  if a is not None]
+        named = [(name, getattr(self, name))
+                 for name in ("key", "value", "key_scale", "value_scale")
+                 if getattr(self, name) is not None]
+        arrays = [a for _, a in named]
         # every check before the first write: a read-only array found after the keys moved
         # would leave the keys of one beam beside the values of another
-        for a, name in zip(arrays, ("key", "value", "key_scale", "value_scale")):
+        for name, a in named:
             if not a.flags.writeable:
                 raise ValueError(f"cache.{name} is read-only: cannot reorder (the cache is "
                                  "unchanged)")
