@@ -1,6 +1,7 @@
 /* Fused attention tile kernel: see attention_microkernel.h. */
 
 #include <math.h>
+#include <string.h>
 
 #include "attention_microkernel.h"
 #include "attention_tile.h"

@@ -98,9 +98,35 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
 
 static inline __attribute__((always_inline)) void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
 {
+#pragma GCC unroll 4
     for (ptrdiff_t e = 0; e < bytes; e += 64)
         __builtin_prefetch(x + e);
     __builtin_prefetch(x + bytes - 1);
+}
+
+/* s[i * NK + u] = t[i * KB + u] for i < R, u < left: a row's KB sums in one store of a
+ * full block (a lane at a time cost about 25 instructions a key at R = 4). */
+static inline __attribute__((always_inline)) void
+FN(kv_store_block_)(const int R, const int KB, VEC t, float *s, int left)
+{
+    if (left == KB)
+        for (int i = 0; i < R; i++)
+            memcpy(s + i * NK, (const float *)&t + i * KB, KB * sizeof(float));
+    else
+        for (int i = 0; i < R; i++)
+            for (int u = 0; u < left; u++)
+                s[i * NK + u] = t[i * KB + u];
+}
+
+/* s[j] *= scale * ks[j] for j < n (the product of the two scales first, as a lane would). */
+static inline __attribute__((always_inline)) void
+FN(kv_times_)(float *s, const float *ks, float scale, int n)
+{
+    int j = 0;
+    for (; j + W <= n; j += W)
+        *(VEC *)(s + j) *= scale * *(const VEC *)(ks + j);
+    for (; j < n; j++)
+        s[j] *= scale * ks[j];
 }
 
 /* s[i * NK + c] = scale * s_k[c] * (q_i . k_c) for i < R, c < nk: blocks of R rows x KB = W / R
@@ -147,12 +173,13 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
                         x += q[i * q_rs + p] * FN(kv_load1_)(fmt, k, kr[u] + p);
                     t[i * KB + u] += x;
                 }
-        int left = (int)(nk - c < KB ? nk - c : KB);
-        for (int i = 0; i < R; i++)
-            for (int u = 0; u < left; u++)
-                s[i * NK + c + u] = t[i * KB + u]
-                                    * (fmt == MHA_KV_I8 ? scale * ks[c + u] : scale);
+        if (fmt != MHA_KV_I8)
+            t *= scale;         /* int8: times scale * ks[j], a pass over the tile below */
+        FN(kv_store_block_)(R, KB, t, s + c, (int)(nk - c < KB ? nk - c : KB));
     }
+    if (fmt == MHA_KV_I8)
+        for (int i = 0; i < R; i++)
+            FN(kv_times_)(s + i * NK, ks, scale, nk);
 }
 
 /* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M, e in [e0, e1), never
@@ -242,6 +269,21 @@ FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, pt
         FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
 }
 
+/* p[j] = p[j] == 0 ? 0 : p[j] * vs[j] for j < n: the value scales folded into the
+ * probabilities; a masked key (p = 0) stays 0 even when its row held NaN (scale NaN). */
+static inline __attribute__((always_inline)) void FN(kv_fold_scales_)(float *p, const float *vs,
+                                                                      int n)
+{
+    int j = 0;
+    for (; j + W <= n; j += W) {
+        VEC x = *(VEC *)(p + j);
+        FN(kvmask_) zero = x == 0;
+        *(VEC *)(p + j) = (VEC)((FN(kvmask_))(x * *(const VEC *)(vs + j)) & ~zero);
+    }
+    for (; j < n; j++)
+        p[j] = p[j] == 0 ? 0 : p[j] * vs[j];
+}
+
 /* One block of M rows against the keys [j0, j0 + nk): scores, the masks and online softmax
  * of attention_tile.c per row (the float32 path's mask and NaN semantics), P V. */
 static inline __attribute__((always_inline)) void
@@ -265,12 +307,8 @@ FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
                                     add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
                                     pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
                                     m + i, l + i, acc + i * dv, dv);
-        if (fmt == MHA_KV_I8)       /* fold the value scales into p; a masked key (p = 0)
-                                       stays 0 even when its row held NaN (scale NaN) */
-            for (ptrdiff_t j = 0; j < nk; j++) {
-                float p = s[i * NK + j];
-                s[i * NK + j] = p == 0 ? 0 : p * vs[j0 + j];
-            }
+        if (fmt == MHA_KV_I8)
+            FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
     }
     FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv);
 }
