@@ -33,7 +33,11 @@ same without head 0: K/V groups of 1 and 2 heads) took the general path before: 
 22 us, mha(x) of 16 tokens 80 -> 32 us (wall time, step including a truncate). Key padding
 (mha(x, key_padding_mask=...)) is skipped at either end of each sequence's keys as
 _attention_kernel's _task skips it: that layer's padded call 117 -> 36 us
-(the general path / this, in alternating rounds; unpadded: 35 us).
+(the general path / this, in alternating rounds; unpadded: 35 us). An attn_mask (additive, of
+the module dtype, any broadcast shape and strides; attention.py makes a bool one additive as
+the general path does) is read through its (B, H, Lq, Lk) strides as _task addresses it:
+mha(x, attn_mask=...) of a tiny layer (E = 64, 4 heads, 16 tokens, 2 threads allowed, Zen 2)
+65 -> 20 us.
 """
 cimport numpy as cnp
 from libc.math cimport INFINITY, sqrt
@@ -87,6 +91,10 @@ cdef struct Step:
     const Py_ssize_t *group_start
     Py_ssize_t max_group      # the most query heads of one K/V head
     const unsigned char *pad  # self-attention's key padding, (batch, length) flags; or NULL
+    # self-attention's additive mask (attn_mask of the module dtype), or NULL; element
+    # strides of its (B, H, Lq, Lk) axes, 0 where it broadcasts
+    const void *mask
+    Py_ssize_t mb, mh, ml, mk
 
 
 cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
@@ -203,6 +211,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *conv = sin + s.length * s.half
     cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, k_end, limit, step, q_rs, o_rs
     cdef const unsigned char *pad_row = NULL
+    cdef const floating *m0 = NULL
+    cdef Py_ssize_t m_rs = 0
     cdef Py_ssize_t kv_isz = mha_kv_itemsize(s.kv_fmt)     # a stored element's bytes
     cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
     # where K/V head g of sequence b starts, and the stride of its keys
@@ -273,6 +283,9 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             skip_end_padding(pad_row, &k_begin, &k_end)
         if not s.causal:
             limit, step = k_end, 0
+        if s.mask != NULL:        # the mask rows of the task's rows, as _task addresses them
+            m0 = <const floating *> s.mask + b * s.mb + h0 * s.mh
+            m_rs = s.mh if s.heads_as_rows else s.ml
         if s.cached:
             if s.kv_fmt == 0:
                 k0 = <const floating *> cache_k + b * kb + g * kh
@@ -301,22 +314,24 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             if floating is float:
                 mha_fused_attend_direct_f32(q0, q_rs, <int> rows_t, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
-                                            k_end, scale, NULL, 0, 0, pad_row, limit, step,
+                                            k_end, scale, m0, m_rs, s.mk, pad_row, limit, step,
                                             s.window, row_max, row_sum, acc, work)
             else:
                 mha_fused_attend_direct_f64(q0, q_rs, <int> rows_t, <int> d,
                                             k0, kl, v0, kl, <int> d, k_begin,
-                                            k_end, scale, NULL, 0, 0, pad_row, limit, step,
+                                            k_end, scale, m0, m_rs, s.mk, pad_row, limit, step,
                                             s.window, row_max, row_sum, acc, work)
         else:
             if floating is float:
                 mha_fused_attend_f32(q0, q_rs, <int> rows_t, <int> d,
-                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, NULL, 0, 0,
+                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
+                                     s.mk,
                                      pad_row, limit, step, s.window, row_max, row_sum, acc,
                                      work)
             else:
                 mha_fused_attend_f64(q0, q_rs, <int> rows_t, <int> d,
-                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, NULL, 0, 0,
+                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
+                                     s.mk,
                                      pad_row, limit, step, s.window, row_max, row_sum, acc,
                                      work)
         for r in range(rows_t):
@@ -435,21 +450,56 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
                  window, inv_freq, interleaved, n_threads)
 
 
-def self_attention(cnp.ndarray x, bint causal, object key_padding, object w_in, object b_in,
-                   object w_out, object b_out, Py_ssize_t heads, Py_ssize_t kv_heads,
-                   object kv_index, Py_ssize_t head_dim, Py_ssize_t window, object inv_freq,
-                   bint interleaved, int n_threads):
-    """mha(x) (or mha(x, is_causal=True), with or without key_padding_mask=) of a small call,
-    or None where this kernel does not apply. x (B, L, E) of the module dtype, L >= 1;
-    key_padding None or a C-contiguous bool (B, L) array (True = padding); weights as for
-    decode_step; window only with causal; RoPE at positions 0 .. L - 1."""
+cdef bint _mask_strides(object mask, int typenum, Py_ssize_t batch, Py_ssize_t heads,
+                        Py_ssize_t length, Py_ssize_t *strides) noexcept:
+    """Whether mask is an aligned native array of that type, (L, L), (B, L, L) or (B, H, L, L)
+    with each axis that size or 1 (as check_attn_mask accepts them); if so, strides gets the
+    element strides of its (B, H, Lq, Lk) axes, 0 where it broadcasts (as np.broadcast_to)."""
+    if not (isinstance(mask, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray> mask) == typenum
+            and cnp.PyArray_ISALIGNED(<cnp.ndarray> mask)
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> mask)):
+        return False
+    cdef int ndim = cnp.PyArray_NDIM(<cnp.ndarray> mask), axis, a
+    if ndim < 2 or ndim > 4:
+        return False
+    cdef Py_ssize_t full[4]
+    full[0], full[1], full[2], full[3] = batch, heads, length, length
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(<cnp.ndarray> mask), n, st
+    for axis in range(4):
+        strides[axis] = 0
+    for a in range(ndim):        # the mask's axes, right-aligned; a 3-D one has no H axis
+        axis = 4 - ndim + a if ndim != 3 or a > 0 else 0
+        n = cnp.PyArray_DIMS(<cnp.ndarray> mask)[a]
+        st = cnp.PyArray_STRIDES(<cnp.ndarray> mask)[a]
+        if (n != 1 and n != full[axis]) or st % item != 0:
+            return False
+        strides[axis] = 0 if n == 1 else st // item
+    return True
+
+
+def self_attention(cnp.ndarray x, bint causal, object key_padding, object attn_mask,
+                   object w_in, object b_in, object w_out, object b_out, Py_ssize_t heads,
+                   Py_ssize_t kv_heads, object kv_index, Py_ssize_t head_dim, Py_ssize_t window,
+                   object inv_freq, bint interleaved, int n_threads):
+    """mha(x) (or mha(x, is_causal=True), with or without key_padding_mask= and attn_mask=)
+    of a small call, or None where this kernel does not apply. x (B, L, E) of the module
+    dtype, L >= 1; key_padding None or a C-contiguous bool (B, L) array (True = padding);
+    attn_mask None or an additive mask of x's dtype, any strides, shaped as _mask_strides
+    takes it; weights as for decode_step; window only with causal; RoPE at positions
+    0 .. L - 1."""
     if key_padding is not None and not (
             _c_contiguous(key_padding, cnp.NPY_BOOL) and cnp.PyArray_NDIM(x) == 3
             and _shape_2d(key_padding, x.shape[0], x.shape[1])):
         return None
+    cdef Py_ssize_t mask_strides[4]
+    if attn_mask is not None and not (
+            cnp.PyArray_NDIM(x) == 3
+            and _mask_strides(attn_mask, cnp.PyArray_TYPE(x), x.shape[0], heads, x.shape[1],
+                              mask_strides)):
+        return None
     return _call(x, False, causal, 0, NULL, None, None, 0, None, None, head_dim, 0, w_in, b_in,
                  w_out, b_out, heads, kv_heads, kv_index, window if causal else 0, inv_freq,
-                 interleaved, n_threads, key_padding)
+                 interleaved, n_threads, key_padding, attn_mask, mask_strides)
 
 
 cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
@@ -457,7 +507,8 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
                   object k_scale, object v_scale, Py_ssize_t d, Py_ssize_t max_len,
                   object w_in, object b_in, object w_out, object b_out,
                   Py_ssize_t heads, Py_ssize_t kv_heads, object kv_index, Py_ssize_t window,
-                  object inv_freq, bint interleaved, int n_threads, object key_padding=None):
+                  object inv_freq, bint interleaved, int n_threads, object key_padding=None,
+                  object attn_mask=None, const Py_ssize_t *mask_strides=NULL):
     if not (_attention_kernel.default_rules and _linear_kernel.default_rules):
         return None                          # tuning knobs moved a rule of the general path
     cdef int typenum = cnp.PyArray_TYPE(x)
@@ -487,6 +538,10 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     s.interleaved = interleaved
     s.kv_fmt = kv_fmt
     s.pad = <const unsigned char *> _data(key_padding)
+    s.mask = _data(attn_mask)
+    s.mb = s.mh = s.ml = s.mk = 0
+    if attn_mask is not None:
+        s.mb, s.mh, s.ml, s.mk = mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]
     cdef Py_ssize_t rows = s.batch * s.length, k_len = max_start + s.length   # the longest
     cdef Py_ssize_t group = heads // kv_heads
     # uneven groups: the general kernel's tasks for them (_attention_kernel._group_starts)

@@ -223,20 +223,26 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                  positions=None, head_mask=None):
         # The common call, mha(x) or mha(x, is_causal=True) on a 3-D array of the module's
         # dtype, has nothing to check but the array itself: it skips the general argument
-        # handling (about a quarter of a tiny layer's time). With a key_padding_mask array,
-        # the compiled small call checks it (else the general path). Everything else takes
-        # that path.
-        if (key is None and value is None and attn_mask is None
+        # handling (about a quarter of a tiny layer's time). With a key_padding_mask or an
+        # attn_mask array, the compiled small call checks them (else the general path).
+        # Everything else takes that path.
+        if (key is None and value is None
                 and cache is None and lengths is None and need_weights is False
                 and positions is None and head_mask is None
                 and (is_causal is True or (is_causal is False and self.window is None))
                 and type(query) is np.ndarray and query.ndim == 3
                 and query.dtype == self.dtype and query.shape[2] == self.embed_dim
                 and query.shape[0] and query.shape[1] and self.in_proj_weight is not None):
-            if key_padding_mask is None:
+            if key_padding_mask is None and attn_mask is None:
                 return self._self_attention(query, is_causal)
-            if type(key_padding_mask) is np.ndarray:     # (checked by the compiled call)
-                out = self._small_self_attention(query, is_causal, key_padding_mask)
+            if ((key_padding_mask is None or type(key_padding_mask) is np.ndarray)
+                    and (attn_mask is None or type(attn_mask) is np.ndarray)):
+                # (checked by the compiled call; a bool mask made additive as the general
+                # path makes it)
+                add = attn_mask
+                if attn_mask is not None and attn_mask.dtype == np.bool_:
+                    add = np.where(attn_mask, self.dtype.type(0), self.dtype.type(-np.inf))
+                out = self._small_self_attention(query, is_causal, key_padding_mask, add)
                 if out is not None:
                     return out
         # The common decode step, mha(x, cache=cache): the same, for a cache of this module's
@@ -266,7 +272,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         batch, length, _ = x.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_threads = kernel_threads()
-        out = self._small_self_attention(x, is_causal, None, n_threads)
+        out = self._small_self_attention(x, is_causal, None, None, n_threads)
         if out is not None:                # a small call: one compiled call
             return out
         with blas_single_threaded():
@@ -283,10 +289,10 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                         self.window or 0, None, self._kv_index)
             return _linear(context, self.out_weight, self.out_bias, n_threads)
 
-    def _small_self_attention(self, x, is_causal, key_padding_mask, n_threads=None):
+    def _small_self_attention(self, x, is_causal, key_padding_mask, attn_mask, n_threads=None):
         """_step_kernel.self_attention for this module (None where it does not apply)."""
         return _step_kernel.self_attention(
-            x, is_causal, key_padding_mask, self.in_proj_weight, self.in_proj_bias,
+            x, is_causal, key_padding_mask, attn_mask, self.in_proj_weight, self.in_proj_bias,
             self.out_weight, self.out_bias, self.num_heads, self.num_kv_heads, self._kv_index,
             self.head_dim, self.window or 0, *self._rope_tables(),
             kernel_threads() if n_threads is None else n_threads)

@@ -362,6 +362,68 @@ def test_small_self_attention_with_key_padding_equals_the_general_path_bitwise(
                 fast, mha(x, is_causal=causal, key_padding_mask=pad, head_mask=ones))
 
 
+def _attn_masks(rng, batch, heads, length, dtype):
+    """attn_masks as check_attn_mask takes them: additive and bool, 2-, 3- and 4-D, broadcast
+    axes (a stride-0 view too), a strided view, rows hidden entirely."""
+    L = length
+    yield rng.standard_normal((L, L)).astype(dtype)
+    yield np.broadcast_to(np.tril(np.ones((L, L), bool)), (batch, 1, L, L))
+    hidden = rng.standard_normal((batch, heads, L, L)).astype(dtype)
+    hidden[:, :, 0] = -np.inf                   # query 0 sees nothing: a zero context
+    yield hidden
+    yield rng.random((batch, L, L)) < 0.7
+    yield rng.standard_normal((1, heads, 1, L)).astype(dtype)
+    # every other head sees nothing (with one key, only hiding tells the heads' masks apart)
+    yield np.broadcast_to((np.arange(heads) % 2 == 0)[None, :, None, None], (1, heads, L, L))
+    yield rng.standard_normal((L, 2 * L)).astype(dtype)[:, ::2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+@pytest.mark.parametrize("rope", list(ROPES), ids=list(ROPES))
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 6)],
+                         ids=["encoder", "causal", "window"])
+def test_small_self_attention_with_attn_mask_equals_the_general_path_bitwise(
+        rng, taken, dtype, geometry, rope, causal, window):
+    """mha(x, attn_mask=...) of a small call runs compiled and equals the general path (head_mask
+    of ones) bit for bit: every mask shape, bool or additive, alone and with key padding; one
+    query token of a GQA module (its heads as the rows of one task) included."""
+    mha = _module(rng, geometry, dtype, ROPES[rope], window)
+    heads = geometry[1]
+    ones = np.ones(heads, dtype)
+    for batch, length in ((1, 1), (2, 5), (3, 16)):
+        x = rng.standard_normal((batch, length, geometry[0])).astype(dtype)
+        pad = np.zeros((batch, length), bool)
+        pad[0, -1] = length > 1
+        for mask in _attn_masks(rng, batch, heads, length, dtype):
+            for kpm in (None, pad):
+                taken.clear()
+                with mha_cy.threads(1):
+                    fast = mha(x, is_causal=causal, attn_mask=mask, key_padding_mask=kpm)
+                assert taken == [True], (batch, length, mask.shape)
+                np.testing.assert_array_equal(
+                    fast, mha(x, is_causal=causal, attn_mask=mask, key_padding_mask=kpm,
+                              head_mask=ones), err_msg=str((batch, length, mask.shape)))
+
+
+def test_attn_mask_the_compiled_call_does_not_take_goes_the_general_way(rng, taken):
+    """Masks of another float dtype or a misfit shape: the compiled call declines; the general
+    path converts the first and names what is wrong with the second."""
+    mha = _module(rng, (64, 4, 2, 16), np.float32, None, None)
+    x = rng.standard_normal((2, 6, 64)).astype(np.float32)
+    mask = rng.standard_normal((6, 6))
+    expected = mha(x, attn_mask=mask.astype(np.float32))
+    taken.clear()
+    np.testing.assert_array_equal(mha(x, attn_mask=mask), expected)     # float64: converted
+    assert taken == [False]
+    for bad in (np.zeros((6, 5), np.float32), np.zeros((3, 6, 6), np.float32),
+                np.zeros((2, 3, 6, 6), np.float32), np.zeros(6, np.float32)):
+        with pytest.raises(ValueError, match="attn_mask"):
+            mha(x, attn_mask=bad)
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        mha(x, attn_mask=np.zeros((6, 6), np.int32))
+
+
 def test_key_padding_the_compiled_call_does_not_take_goes_the_general_way(rng, taken):
     """Masks that are not C-contiguous bool (batch, length) arrays: the compiled call
     declines, the general path converts them (or names what is wrong)."""
