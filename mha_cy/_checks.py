@@ -184,7 +184,7 @@ def check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale):
     check_dim(v.shape[1], k.shape[1], "v", "heads (must match k's)")
     check_dim(v.shape[2], k.shape[2], "v", "length (must match k's)")
     Hkv, Lk = k.shape[1], k.shape[2]
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hq % max(Hkv, 1) != 0 or (Hkv == 0 and Hq != 0):    # (no heads at all: an empty result)
         raise ValueError(f"q has {Hq} heads and k/v have {Hkv}: the number of query heads must be "
                          "a multiple of the number of key/value heads")
     if D == 0:

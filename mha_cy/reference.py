@@ -37,7 +37,7 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=No
     its weight even when that underflowed to 0 (so a NaN there makes that output NaN).
     """
     if kv_index is None:
-        kv_index = np.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+        kv_index = np.arange(q.shape[1]) // max(q.shape[1] // max(k.shape[1], 1), 1)
     k, v = k[:, kv_index], v[:, kv_index]    # query head h reads key/value head kv_index[h]
     # float(): a NumPy float64 scale (1 / np.sqrt(D)) would promote float32 scores, and with
     # them the output and weights, to float64 (NEP 50); the result must keep q's dtype.

@@ -238,6 +238,21 @@ def test_empty_shapes(rng):
     assert mha_cy.scaled_dot_product_attention(q, k, v).shape == (0, 4, 3, 8)
 
 
+def test_no_heads_gives_an_empty_result_as_torch(rng):
+    """q and k/v with 0 heads: an empty (B, 0, Lq, Dv) result, as torch returns (it raised
+    ValueError); query heads without K/V heads stay an error."""
+    q, k, v = qkv(rng, np.float32, 2, 0, 0, 3, 4, 8, 5)
+    for kwargs in ({}, {"is_causal": True}, {"attn_mask": np.ones((3, 4), bool)},
+                   {"scale": 0.5, "window": 2, "is_causal": True}):
+        for sdpa in (mha_cy.scaled_dot_product_attention, reference.scaled_dot_product_attention):
+            out = sdpa(q, k, v, **kwargs)
+            assert out.shape == (2, 0, 3, 5) and out.dtype == np.float32, (sdpa, kwargs)
+    q4 = rng.standard_normal((2, 4, 3, 8)).astype(np.float32)
+    for sdpa in (mha_cy.scaled_dot_product_attention, reference.scaled_dot_product_attention):
+        with pytest.raises(ValueError, match="q has 4 heads and k/v have 0"):
+            sdpa(q4, k, v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 4, 1, 17, 4, 16), (2, 8, 5, 300, 2, 64),
                                    (1, 2, 40, 40, 2, 300)],
