@@ -4,7 +4,7 @@ import numbers
 import numpy as np
 
 from ._cache_formats import FloatFormat
-from ._checks import positive_int
+from ._checks import float_dtype, positive_int
 
 
 def _int_per_sequence(value, batch, name):
@@ -49,7 +49,15 @@ class KVCache:
     """
 
     def __init__(self, batch_size, num_kv_heads, max_len, head_dim, dtype, storage=None):
-        fmt = FloatFormat(dtype) if storage is None else storage
+        if storage is None:     # dtype is the compute dtype; float16 made a cache computing
+            try:                # in float16, which no path takes
+                fmt = FloatFormat(float_dtype(dtype))
+            except TypeError as e:
+                raise TypeError(f"{e} (the dtype the cache computes in; for a float16 or int8 "
+                                "cache, use module.new_cache(..., dtype=np.float16 or "
+                                "'int8'))") from None
+        else:
+            fmt = storage
         # (new_cache checks its own arguments; KVCache is public, so direct construction too)
         shape = tuple(positive_int(n, name) for n, name in (
             (batch_size, "batch_size"), (num_kv_heads, "num_kv_heads"), (max_len, "max_len"),

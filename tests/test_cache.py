@@ -290,3 +290,9 @@ def test_direct_construction_checks_its_sizes():
                 KVCache(**{**good, name: bad}, dtype=np.float32)
     cache = KVCache(**good, dtype=np.float32)
     assert cache.key.shape == (2, 1, 4, 8) and cache.lengths.tolist() == [0, 0]
+    # dtype is the compute dtype: KVCache(..., np.float16) made a cache computing in float16,
+    # which every module call refused or mishandled; new_cache(dtype=np.float16) is the way
+    for bad in (np.float16, np.int8, "int8", None, "nonsense"):
+        with pytest.raises(TypeError, match="new_cache"):
+            KVCache(**good, dtype=bad)
+    assert KVCache(**good, dtype="float64").dtype == np.float64
