@@ -145,12 +145,27 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
         ptrdiff_t kr[W];
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = (c + u < nk ? c + u : c) * k_rs;
-        if (pf_v != NULL)
-            for (int u = 0; u < KB && c + u < nk; u++) {
-                FN(kv_prefetch_)((const char *)pf_v + (c + u) * v_rs * esz, dv * esz);
-                if (c + u < nk_next)
-                    FN(kv_prefetch_)((const char *)k + (NK + c + u) * k_rs * esz, d * esz);
-            }
+        if (pf_v != NULL) {
+            const char *pv = (const char *)pf_v + c * v_rs * esz;
+            const char *pk = (const char *)k + (NK + c) * k_rs * esz;
+            if (v_rs == dv && k_rs == d && dv == d && c + KB <= nk && c + KB <= nk_next) {
+                /* contiguous rows: the block's V rows and the next tile's K rows as two
+                 * spans, a line of each in turn (the per-row loops cost about 35
+                 * instructions a key for int8 rows of two lines) */
+                const ptrdiff_t span = KB * d * esz;
+                for (ptrdiff_t e = 0; e < span; e += 64) {
+                    __builtin_prefetch(pv + e);
+                    __builtin_prefetch(pk + e);
+                }
+                __builtin_prefetch(pv + span - 1);
+                __builtin_prefetch(pk + span - 1);
+            } else
+                for (int u = 0; u < KB && c + u < nk; u++) {
+                    FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
+                    if (c + u < nk_next)
+                        FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
+                }
+        }
         VEC a[W];
         for (int i = 0; i < W; i++)
             a[i] = (VEC){0};
