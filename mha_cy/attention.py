@@ -54,13 +54,20 @@ def _check_32_bit_sizes(q, k, weights):
                              f"at most {_INT_MAX} are supported (32-bit BLAS)")
 
 
+def _additive(attn_mask, dtype):
+    """attn_mask as the kernels add it: a bool mask becomes 0 (may attend) / -inf of dtype;
+    any other mask is returned as it is."""
+    if attn_mask.dtype == np.bool_:
+        return np.where(attn_mask, dtype.type(0), dtype.type(-np.inf))
+    return attn_mask
+
+
 def _kernel_masks(attn_mask, key_padding_mask, shape, dtype):
     """The kernel's mask arguments: an additive view broadcast to `shape` (a bool mask becomes
     0 / -inf) and key padding as uint8."""
     add = None
     if attn_mask is not None:
-        if attn_mask.dtype == np.bool_:
-            attn_mask = np.where(attn_mask, dtype.type(0), dtype.type(-np.inf))
+        attn_mask = _additive(attn_mask, dtype)
         if not attn_mask.flags.aligned:           # the row functions read it as REAL *
             attn_mask = attn_mask.copy()
         add = np.broadcast_to(attn_mask, shape)
@@ -239,9 +246,7 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                     and (attn_mask is None or type(attn_mask) is np.ndarray)):
                 # (checked by the compiled call; a bool mask made additive as the general
                 # path makes it)
-                add = attn_mask
-                if attn_mask is not None and attn_mask.dtype == np.bool_:
-                    add = np.where(attn_mask, self.dtype.type(0), self.dtype.type(-np.inf))
+                add = None if attn_mask is None else _additive(attn_mask, self.dtype)
                 out = self._small_self_attention(query, is_causal, key_padding_mask, add)
                 if out is not None:
                     return out
