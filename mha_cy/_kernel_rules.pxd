@@ -4,6 +4,9 @@
 # reads the same constants and the same rule functions, and cannot drift from them.
 # (A tuning knob that moves a rule at run time is seen through each kernel's default_rules.)
 
+from libc.math cimport sqrt
+
+
 cdef enum:
     # _attention_kernel's default query rows per task and keys per score tile (tuned on Zen 4,
     # see benchmarks/; its BLOCK_Q, BLOCK_K start here and _set_tile_sizes moves them)
@@ -23,6 +26,65 @@ cdef enum:
     # tile streams all of the packed x once, so narrow tiles re-read x too often (4096 x 384
     # -> 1152, one thread: 32 columns per tile 140 ms, 144 columns 109; 1024 rows: 33 -> 27).
     PANEL_TILE_WEIGHT_BYTES = 192 * 1024
+    # A panel tile streams all of the packed x once, so tiles are kept wide
+    # (PANEL_TILE_WEIGHT_BYTES of weight columns) where the packed x is larger than this; a
+    # smaller one stays in L2 (half of Zen 1's 512 KiB) while any number of tiles re-read it.
+    PANEL_X_CACHED_BYTES = 256 * 1024
+    # _linear_kernel's defaults (its MIN_TILE_FLOPS, MAX_TILES knobs start here): a tile is
+    # worth a thread's wake-up and its re-reads of x and w from about this much work; at most
+    # this many tiles, enough to share among many cores and to even out 2 or 3 threads, few
+    # enough that re-reading x and w per tile stays a few percent of the work.
+    LINEAR_MIN_TILE_FLOPS = 16000000
+    LINEAR_MAX_TILES = 64
+    # Column tiles (the panel and small_gemm paths) repack nothing: a tile costs a call and an
+    # atomic, so they may be much smaller, which evens out the threads' shares of the mid-size
+    # products of short sequences (the 16e6 / 4 of before made 3 tiles of a MiniLM layer's QKV
+    # projection, 12 tokens x 384 -> 1152, on 2 threads: 1.5x one thread, and 1 tile of its
+    # output projection). Measured, whole layer (E 384, 12 heads), 2 threads, Zen 1, min of
+    # alternating rounds: 12 tokens 540 -> 394 us, 32 tokens 826 -> 779, 64 tokens 1670 ->
+    # 1470. Their minimum is MIN_TILE_FLOPS / COLUMN_TILE_SHARE (0.5e6: ~14 us of a Zen 1
+    # core, several wake-ups of a spinning OpenMP worker).
+    COLUMN_TILE_SHARE = 32
+    # BLAS takes 32-bit sizes: a tile's rows and columns stay far below 2**31 whatever the shape.
+    MAX_TILE_EDGE = 1 << 20
+    # Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
+    COL_ALIGN = 16
+    ROW_ALIGN = 8
+
+
+cdef inline Py_ssize_t _round_up(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return (a + b - 1) // b * b
+
+
+cdef inline void linear_tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
+                                  double min_tile_flops, Py_ssize_t max_tiles,
+                                  Py_ssize_t *tile_rows, Py_ssize_t *tile_cols,
+                                  Py_ssize_t min_cols) noexcept nogil:
+    """_linear_kernel's tile sizes for an (M, N) output with inner size K: a function of the
+    shape only. BLAS tiles: about `target` tiles of near-square shape, side = sqrt(M N /
+    target): about N / side columns of tiles and target / that many rows (at least 1 each way).
+    Column blocks (the paths without BLAS): a tile repacks nothing, so tiles may be
+    COLUMN_TILE_SHARE times smaller, which evens out the threads' shares of small products;
+    min_cols bounds their width from below."""
+    cdef double flops = 2.0 * M * N * K
+    cdef double min_flops = min_tile_flops / COLUMN_TILE_SHARE if column_blocks else min_tile_flops
+    cdef double target = max(1.0, min(<double> max_tiles, flops / min_flops))
+    cdef double side = sqrt(<double> M * N / target)
+    cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (N / side + 0.5))
+    cdef Py_ssize_t row_tiles = 1 if column_blocks else max(1, <Py_ssize_t> (target / col_tiles + 0.5))
+    col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
+    col_tiles = min(col_tiles, max(1, N // max(1, min_cols)))     # tiles of >= min_cols columns
+    tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN), MAX_TILE_EDGE)
+    tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN), MAX_TILE_EDGE)
+
+
+cdef inline Py_ssize_t panel_min_cols(Py_ssize_t M, Py_ssize_t K, Py_ssize_t itemsize) noexcept nogil:
+    """The narrowest panel tile (min_cols of linear_tile_grid) for M rows of K values: wide
+    (PANEL_TILE_WEIGHT_BYTES of weight columns) when the packed x is larger than
+    PANEL_X_CACHED_BYTES, else 1."""
+    if M * K * itemsize > PANEL_X_CACHED_BYTES:
+        return PANEL_TILE_WEIGHT_BYTES // (K * itemsize)
+    return 1
 
 
 cdef inline double attention_flops(Py_ssize_t batch, Py_ssize_t q_heads, Py_ssize_t q_len,

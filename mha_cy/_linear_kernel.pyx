@@ -15,7 +15,6 @@ column blocks over all rows:
   costs dominate small products, and its tiles ran 2-4x slow above 256 rows: PANEL_MAX_ROWS).
 BLAS tiles remain for K = 0 and when tests or tuning lower PANEL_MAX_ROWS.
 """
-from libc.math cimport sqrt
 from libc.limits cimport INT_MAX
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport malloc, free
@@ -29,7 +28,8 @@ from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM
                           mha_pack_row_panels_f64, mha_row_panel_gemm_f32,
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
-from ._kernel_rules cimport PANEL_TILE_WEIGHT_BYTES
+from ._kernel_rules cimport (LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
+                             panel_min_cols)
 from ._openmp_helpers cimport mha_omp_barrier
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
@@ -57,35 +57,10 @@ cdef Py_ssize_t PANEL_MAX_ROWS = PY_SSIZE_T_MAX
 # tuning and tests can move the crossover (_set_small_gemm_rule).
 cdef Py_ssize_t SMALL_GEMM_MAX_ROWS = MHA_SMALL_GEMM_MAX_ROWS
 cdef Py_ssize_t SMALL_GEMM_MIN_WEIGHT_BYTES = MHA_SMALL_GEMM_MIN_WEIGHT_BYTES
-# A tile is worth a thread's wake-up and its re-reads of x and w from about this much work.
-cdef double MIN_TILE_FLOPS = 16e6
-# Column tiles (the panel and small_gemm paths) repack nothing: a tile costs a call and an
-# atomic, so they may be much smaller, which evens out the threads' shares of the mid-size
-# products of short sequences (the 16e6 / 4 of before made 3 tiles of a MiniLM layer's QKV
-# projection, 12 tokens x 384 -> 1152, on 2 threads: 1.5x one thread, and 1 tile of its output
-# projection). Measured, whole layer (E 384, 12 heads), 2 threads, Zen 1, min of alternating
-# rounds: 12 tokens 540 -> 394 us, 32 tokens 826 -> 779, 64 tokens 1670 -> 1470. Their
-# minimum is MIN_TILE_FLOPS / COLUMN_TILE_SHARE (0.5e6: ~14 us of a Zen 1 core, several wake-ups
-# of a spinning OpenMP worker).
-cdef double COLUMN_TILE_SHARE = 32
-# A panel tile streams all of the packed x once, so tiles are kept wide (PANEL_TILE_WEIGHT_BYTES
-# of weight columns) where the packed x is larger than this; a smaller one stays in L2 (half
-# of Zen 1's 512 KiB) while any number of tiles re-read it.
-cdef Py_ssize_t PANEL_X_CACHED_BYTES = 256 * 1024
-# At most this many tiles: enough to share among many cores and to even out 2 or 3 threads,
-# few enough that re-reading x and w per tile stays a few percent of the work.
-cdef Py_ssize_t MAX_TILES = 64
-# BLAS takes 32-bit sizes: a tile's rows and columns stay far below 2**31 whatever the shape.
-cdef Py_ssize_t MAX_TILE_EDGE = 1 << 20
-# A panel tile's weight columns fill at least PANEL_TILE_WEIGHT_BYTES of L2 (_kernel_rules.pxd:
-# _step_kernel's panel blocks read it too).
-# Tile edges are multiples of these (column tiles start on cache-line-friendly offsets).
-cdef Py_ssize_t COL_ALIGN = 16
-cdef Py_ssize_t ROW_ALIGN = 8
-
-
-cdef inline Py_ssize_t _round_up(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return (a + b - 1) // b * b
+# The tile grid's rule and constants are in _kernel_rules.pxd (the compiled small call's team
+# cuts its projections the same way); these two are knobs for tests (_set_tiling).
+cdef double MIN_TILE_FLOPS = LINEAR_MIN_TILE_FLOPS
+cdef Py_ssize_t MAX_TILES = LINEAR_MAX_TILES
 
 
 cdef void _linear_block(const floating *x, Py_ssize_t ldx, const floating *w, Py_ssize_t ldw,
@@ -158,33 +133,12 @@ cdef inline void _pack_panel(Py_ssize_t p, Py_ssize_t panel_rows, const floating
         mha_pack_row_panels_f64(x + r0 * ldx, ldx, min(panel_rows, M - r0), K, packed + r0 * K)
 
 
-cdef void _tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
-                     Py_ssize_t *tile_rows, Py_ssize_t *tile_cols,
-                     Py_ssize_t min_cols=1) noexcept nogil:
-    """Tile sizes for an (M, N) output with inner size K: a function of the shape only.
-    BLAS tiles: about `target` tiles of near-square shape, side = sqrt(M N / target): about
-    N / side columns of tiles and target / that many rows (at least 1 each way). Column blocks
-    (the paths without BLAS): a tile repacks nothing, so tiles may be COLUMN_TILE_SHARE times
-    smaller, which evens out the threads' shares of small products; min_cols bounds their
-    width from below."""
-    cdef double flops = 2.0 * M * N * K
-    cdef double min_flops = MIN_TILE_FLOPS / COLUMN_TILE_SHARE if column_blocks else MIN_TILE_FLOPS
-    cdef double target = max(1.0, min(<double> MAX_TILES, flops / min_flops))
-    cdef double side = sqrt(<double> M * N / target)
-    cdef Py_ssize_t col_tiles = max(1, <Py_ssize_t> (N / side + 0.5))
-    cdef Py_ssize_t row_tiles = 1 if column_blocks else max(1, <Py_ssize_t> (target / col_tiles + 0.5))
-    col_tiles = max(1, <Py_ssize_t> (target / row_tiles + 0.5))
-    col_tiles = min(col_tiles, max(1, N // max(1, min_cols)))     # tiles of >= min_cols columns
-    tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN), MAX_TILE_EDGE)
-    tile_cols[0] = min(N, _round_up((N + col_tiles - 1) // col_tiles, COL_ALIGN), MAX_TILE_EDGE)
-
-
 def tile_grid(M, N, K, column_blocks=False, min_cols=1):
     """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning); the panel
     path passes min_cols = PANEL_TILE_WEIGHT_BYTES // (K * itemsize) when the packed x has
     more than PANEL_X_CACHED_BYTES, else 1."""
     cdef Py_ssize_t tr, tc
-    _tile_grid(M, N, K, column_blocks, &tr, &tc, min_cols)
+    linear_tile_grid(M, N, K, column_blocks, MIN_TILE_FLOPS, MAX_TILES, &tr, &tc, min_cols)
     return tr, tc
 
 
@@ -277,9 +231,8 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             free(row_off)
             raise MemoryError("linear: could not allocate the packed rows of x")
     cdef Py_ssize_t tile_rows, tile_cols
-    _tile_grid(M, N, K, few_rows or panels, &tile_rows, &tile_cols,
-               PANEL_TILE_WEIGHT_BYTES // (K * sizeof(floating))
-               if panels and M * K * sizeof(floating) > PANEL_X_CACHED_BYTES else 1)
+    linear_tile_grid(M, N, K, few_rows or panels, MIN_TILE_FLOPS, MAX_TILES, &tile_rows,
+                     &tile_cols, panel_min_cols(M, K, sizeof(floating)) if panels else 1)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles

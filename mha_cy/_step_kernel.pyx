@@ -19,8 +19,17 @@ pure speed-up (tests/test_step_kernel.py checks it):
   fused kernel with the same arguments; it declines (returns None) where that kernel would
   split the keys (split-K), take more than one block of query rows, run BLAS tiles or use
   threads, and wherever tuning knobs moved a rule.
-It runs on the calling thread: it is only used for work that would not pay for threads (or
-with one thread asked).
+Work that would not pay for threads (or with one thread asked) runs on the calling thread.
+Above that (MAX_SERIAL_FLOPS) and up to MAX_TEAM_FLOPS, the stages run on a team of threads in
+one parallel region, with a barrier between them: the projections in the general path's
+column tiles (linear_tile_grid), RoPE and the cache write on one thread, the attention tasks
+shared dynamically. Every output is computed as on one thread, so the bits do not depend on
+the team's size (tests/test_step_kernel_team.py). The general path's three kernel calls,
+each a parallel region of its own, cost more: measured on Zen 2, 2 threads, the same
+process, alternating rounds (team / general path, us): a MiniLM-size layer (E 384, 12 heads)
+of 12 tokens 156 / 217, of 32 tokens 306 / 329, of 64 tokens 630 / 672; a BERT-base layer of
+128 tokens 4513 / 4599; decode steps (batch 4, 32 / 8 heads, D 128, 2047 cached, d_model 256)
+over a float16 cache 2832 / 3118, an int8 cache 2394 / 2725, a float32 one 5835 / 5958.
 
 float16 and int8 caches (mha_cy/_cache_formats.py) take it too: the new keys and values are
 encoded into the storage by src/kv_encode.c (which the general path's cache write also runs),
@@ -45,11 +54,13 @@ from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 from cython cimport floating
+from cython.parallel cimport parallel, prange
 
 import numpy as np
 
 from . import _attention_kernel, _linear_kernel
-from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small_gemm_f64,
+from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
+from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, mha_small_gemm_f32, mha_small_gemm_f64,
                           mha_row_panels_size_f32, mha_row_panels_size_f64,
                           mha_pack_row_panels_f32, mha_pack_row_panels_f64,
                           mha_row_panel_gemm_f32, mha_row_panel_gemm_f64, mha_rope_table_f32,
@@ -61,7 +72,9 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, mha_small_gemm_f32, mha_small
                           mha_fused_attend_direct_f64, MHA_KV_F16, MHA_KV_I8,
                           mha_kv_direct_scratch, mha_kv_attend_f32, mha_kv_itemsize,
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
-from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, PANEL_TILE_WEIGHT_BYTES, attention_flops, direct_rows,
+from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, PANEL_TILE_WEIGHT_BYTES,
+                             LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
+                             panel_min_cols, attention_flops, direct_rows,
                              largest_group, skip_end_padding, split_k_parts)
 
 cnp.import_array()
@@ -72,6 +85,22 @@ cnp.import_array()
 # for its overhead (its Python and separate kernel calls: ~50 us more than this call).
 cdef double MAX_SERIAL_FLOPS = 2e6
 cdef double MAX_SERIAL_ATTENTION_FLOPS = 2e6
+# Above them, up to this much work, the call runs its stages on a team of threads in one
+# parallel region (barriers between the stages) instead of the general path's separate calls;
+# each thread gets at least MIN_TEAM_FLOPS_PER_THREAD. Past a few hundred MFLOP the two paths
+# measured within 2% (E 768, 128 and 256 tokens: 1.02x, 1.01x); the bound keeps larger calls
+# (long sequences in batches) on the general path, whose kernels are tuned for them.
+cdef double MAX_TEAM_FLOPS = 1e9
+cdef double MIN_TEAM_FLOPS_PER_THREAD = 1e6
+
+
+def _set_max_team_flops(flops):
+    """Set MAX_TEAM_FLOPS (tests and measurements: 0 sends every call above the serial bound
+    to the general path); return the old value."""
+    global MAX_TEAM_FLOPS
+    previous = MAX_TEAM_FLOPS
+    MAX_TEAM_FLOPS = flops
+    return previous
 
 
 cdef struct Step:
@@ -168,67 +197,27 @@ cdef inline void _store(int kv_fmt, const floating *src, void *cache, float *sca
     memcpy(<floating *> cache + dst, src, d * sizeof(floating))
 
 
-cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
-              const floating *b_in, const floating *w_out, const floating *b_out,
-              void *cache_k, void *cache_v, float *k_scale, float *v_scale,
-              const double *inv_freq, floating scale, floating *out) noexcept nogil:
-    """The step on raw pointers; 0, or -1 when out of memory (nothing written then).
-    starts: each sequence's cached length (a ragged cache), or NULL: all at s.start.
-    cache_k, cache_v: the storage in the format s.kv_fmt (int8: with k_scale, v_scale)."""
-    cdef Py_ssize_t rows = s.batch * s.length, d = s.d, n_q = s.heads * d
-    cdef Py_ssize_t k_len, start, group = s.heads // s.kv_heads
-    cdef int status
-    cdef Py_ssize_t task_rows = s.max_group if s.heads_as_rows else s.length   # the most
-    cdef Py_ssize_t rows_t                                                     # task t's
-    cdef Py_ssize_t work_size
-    if floating is float:
-        work_size = mha_fused_scratch_f32(<int> d)
-        if s.kv_fmt != 0:
-            work_size = max(work_size, mha_kv_direct_scratch())
-    else:
-        work_size = mha_fused_scratch_f64(<int> d)
-    cdef Py_ssize_t qkv_size = rows * s.n_in, ctx_size = rows * n_q
-    cdef Py_ssize_t acc_size = task_rows * (d + 2), rope_size = 2 * s.length * s.half
-    # a stored format's converted key and value tiles, where the tasks take them
-    cdef Py_ssize_t conv_size = (2 * s.block_k * d if s.kv_fmt != 0 and _any_tile_task(s)
-                                 else 0)
-    cdef floating *buf = <floating *> malloc(
-        (qkv_size + ctx_size + acc_size + work_size + rope_size + conv_size)
-        * sizeof(floating))
-    cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
-    if buf == NULL or positions == NULL:
-        free(buf)
-        free(positions)
-        return -1
-    cdef floating *qkv = buf
-    cdef floating *ctx = qkv + qkv_size
-    cdef floating *acc = ctx + ctx_size
-    cdef floating *row_max = acc + task_rows * d
-    cdef floating *row_sum = row_max + task_rows
-    cdef floating *work = row_sum + task_rows
-    cdef floating *cos = work + work_size
-    cdef floating *sin = cos + s.length * s.half
-    cdef floating *conv = sin + s.length * s.half
-    cdef Py_ssize_t b, h, i, r, g, h0, n_tasks, t, k_begin, k_end, limit, step, q_rs, o_rs
-    cdef const unsigned char *pad_row = NULL
-    cdef const floating *m0 = NULL
-    cdef Py_ssize_t m_rs = 0
-    cdef Py_ssize_t kv_isz = mha_kv_itemsize(s.kv_fmt)     # a stored element's bytes
-    cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
-    # where K/V head g of sequence b starts, and the stride of its keys
-    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d, kv_off, row
-    cdef const floating *k0
-    cdef const floating *v0
-    if not s.cached:                                  # the call's own keys, in qkv
-        kh, kb, kl = d, seq, s.n_in
-    cdef const floating *q0
-    cdef floating *o0
+cdef struct Buffers:
+    # _run's scratch, in the module dtype (void: a struct cannot take a fused type)
+    void *qkv                 # (rows, n_in): the projected q, k, v of every token
+    void *ctx                 # (rows, heads * d): the attention's output
+    void *cos                 # RoPE tables of one sequence's positions (length x half each)
+    void *sin
+    void *packed              # a projection's x in row panels (the team: shared by the tiles)
+    void *task                # per thread: a task's acc, row max, row sum, work, conv
+    Py_ssize_t task_size      # elements of one thread's task scratch
+    int64_t *positions
 
-    # QKV projection, then RoPE on the query and key heads at positions start ..
-    if _linear(x, rows, s.embed, w_in, b_in, qkv, s.n_in) != 0:
-        free(buf)
-        free(positions)
-        return -1
+
+cdef void _rope_and_store(const Step *s, const int64_t *starts, floating *qkv, floating *cos,
+                          floating *sin, int64_t *positions, const double *inv_freq,
+                          void *cache_k, void *cache_v, float *k_scale,
+                          float *v_scale) noexcept nogil:
+    """RoPE on the query and key heads at positions start .., then (cached) append the new
+    keys and values."""
+    cdef Py_ssize_t b, h, i, start, kv_off, row, d = s.d
+    cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
+    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh
     if s.half > 0:
         for b in range(s.batch):
             if b == 0 or starts != NULL:      # one table per sequence when they differ
@@ -245,7 +234,6 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             else:
                 mha_rope_rotate_f64(qkv + b * seq, s.length, s.n_in, s.heads + s.kv_heads, d,
                                     cos, sin, s.half, s.interleaved)
-    # append the new keys and values
     for b in range(s.batch if s.cached else 0):
         start = s.start if starts == NULL else starts[b]
         for h in range(s.kv_heads):
@@ -254,93 +242,256 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                 row = b * seq + i * s.n_in + (s.heads + h) * d
                 _store(s.kv_fmt, qkv + row, cache_k, k_scale, kv_off, d)
                 _store(s.kv_fmt, qkv + row + s.kv_heads * d, cache_v, v_scale, kv_off, d)
-    # attention: _attention_kernel's tasks (causal offset = start, a sequence's last row
-    # sees all of its k_len = start + L keys)
-    n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
-    q_rs = d if s.heads_as_rows else s.n_in
-    o_rs = d if s.heads_as_rows else n_q
+
+
+cdef void _attend_task(const Step *s, Py_ssize_t t, const int64_t *starts,
+                       const floating *qkv, floating *ctx, const void *cache_k,
+                       const void *cache_v, const float *k_scale, const float *v_scale,
+                       floating scale, floating *scratch) noexcept nogil:
+    """Attention task t, as _attention_kernel runs it (causal offset = start: a sequence's
+    last row sees all of its k_len = start + L keys), into ctx. scratch: the task's acc, row
+    max, row sum, work and conv (_task_scratch_size elements)."""
+    cdef Py_ssize_t d = s.d, n_q = s.heads * d, group = s.heads // s.kv_heads
+    cdef Py_ssize_t task_rows = s.max_group if s.heads_as_rows else s.length
+    cdef floating *acc = scratch
+    cdef floating *row_max = acc + task_rows * d
+    cdef floating *row_sum = row_max + task_rows
+    cdef floating *work = row_sum + task_rows
+    cdef floating *conv = work + _work_size(s)
+    cdef Py_ssize_t b, g, h0, r, start, k_len, limit, k_begin, k_end, step, kv_off
+    cdef Py_ssize_t rows_t = task_rows
+    cdef Py_ssize_t q_rs = d if s.heads_as_rows else s.n_in
+    cdef Py_ssize_t o_rs = d if s.heads_as_rows else n_q
     if task_rows == 1:
         q_rs, o_rs = d, d
-    for t in range(n_tasks):
-        rows_t = task_rows
-        if s.heads_as_rows:
-            b, g = t // s.kv_heads, t % s.kv_heads
-            h0 = g * group
-            if s.group_start != NULL:
-                h0 = s.group_start[g]
-                rows_t = s.group_start[g + 1] - h0
+    cdef const unsigned char *pad_row = NULL
+    cdef const floating *m0 = NULL
+    cdef Py_ssize_t m_rs = 0
+    cdef Py_ssize_t kv_isz = mha_kv_itemsize(s.kv_fmt)     # a stored element's bytes
+    cdef Py_ssize_t seq = s.length * s.n_in          # one sequence's rows of qkv
+    # where K/V head g of sequence b starts, and the stride of its keys
+    cdef Py_ssize_t kh = s.max_len * d, kb = s.kv_heads * kh, kl = d
+    cdef const floating *k0 = NULL
+    cdef const floating *v0 = NULL
+    if not s.cached:                                  # the call's own keys, in qkv
+        kh, kb, kl = d, seq, s.n_in
+    if s.heads_as_rows:
+        b, g = t // s.kv_heads, t % s.kv_heads
+        h0 = g * group
+        if s.group_start != NULL:
+            h0 = s.group_start[g]
+            rows_t = s.group_start[g + 1] - h0
+    else:
+        b, h0 = t // s.heads, t % s.heads
+        g = h0 // group if s.kv_index == NULL else s.kv_index[h0]
+    start = s.start if starts == NULL else starts[b]
+    k_len, limit, k_begin = start + s.length, start + 1, 0
+    step = 0 if s.heads_as_rows else 1
+    if s.causal and s.window > 0:
+        k_begin = min(k_len, max(<Py_ssize_t> 0, start + 1 - s.window))
+    k_end = k_len
+    if s.pad != NULL:         # padded keys at either end are skipped, as _task skips them
+        pad_row = s.pad + b * s.length
+        skip_end_padding(pad_row, &k_begin, &k_end)
+    if not s.causal:
+        limit, step = k_end, 0
+    if s.mask != NULL:        # the mask rows of the task's rows, as _task addresses them
+        m0 = <const floating *> s.mask + b * s.mb + h0 * s.mh
+        m_rs = s.mh if s.heads_as_rows else s.ml
+    if s.cached:
+        if s.kv_fmt == 0:
+            k0 = <const floating *> cache_k + b * kb + g * kh
+            v0 = <const floating *> cache_v + b * kb + g * kh
+    else:
+        k0 = qkv + b * seq + (s.heads + g) * d
+        v0 = qkv + b * seq + (s.heads + s.kv_heads + g) * d
+    cdef const floating *q0 = qkv + b * seq + h0 * d
+    cdef floating *o0 = ctx + b * s.length * n_q + h0 * d
+    memset(acc, 0, rows_t * d * sizeof(floating))
+    for r in range(rows_t):
+        row_max[r] = -INFINITY
+        row_sum[r] = 0
+    if s.kv_fmt != 0:
+        if floating is float:             # (stored formats: float32 modules only)
+            kv_off = b * kb + g * kh
+            # as _attention_kernel's _stored_attend_task runs it without masks or split-K
+            mha_kv_attend_f32(s.kv_fmt, _direct_rows(rows_t, d), q0, q_rs, <int> rows_t,
+                              <int> d, <const char *> cache_k + kv_off * kv_isz, d,
+                              k_scale + kv_off // d if k_scale != NULL else NULL,
+                              <const char *> cache_v + kv_off * kv_isz, d,
+                              v_scale + kv_off // d if v_scale != NULL else NULL, <int> d,
+                              k_begin, k_end, scale, NULL, 0, 0, pad_row, limit, step,
+                              s.window, row_max, row_sum, acc, work, conv, s.block_k)
+    elif _direct_rows(rows_t, d):
+        if floating is float:
+            mha_fused_attend_direct_f32(q0, q_rs, <int> rows_t, <int> d,
+                                        k0, kl, v0, kl, <int> d, k_begin,
+                                        k_end, scale, m0, m_rs, s.mk, pad_row, limit, step,
+                                        s.window, row_max, row_sum, acc, work)
         else:
-            b, h0 = t // s.heads, t % s.heads
-            g = h0 // group if s.kv_index == NULL else s.kv_index[h0]
-        start = s.start if starts == NULL else starts[b]
-        k_len, limit, k_begin = start + s.length, start + 1, 0
-        step = 0 if s.heads_as_rows else 1
-        if s.causal and s.window > 0:
-            k_begin = min(k_len, max(<Py_ssize_t> 0, start + 1 - s.window))
-        k_end = k_len
-        if s.pad != NULL:         # padded keys at either end are skipped, as _task skips them
-            pad_row = s.pad + b * s.length
-            skip_end_padding(pad_row, &k_begin, &k_end)
-        if not s.causal:
-            limit, step = k_end, 0
-        if s.mask != NULL:        # the mask rows of the task's rows, as _task addresses them
-            m0 = <const floating *> s.mask + b * s.mb + h0 * s.mh
-            m_rs = s.mh if s.heads_as_rows else s.ml
-        if s.cached:
-            if s.kv_fmt == 0:
-                k0 = <const floating *> cache_k + b * kb + g * kh
-                v0 = <const floating *> cache_v + b * kb + g * kh
+            mha_fused_attend_direct_f64(q0, q_rs, <int> rows_t, <int> d,
+                                        k0, kl, v0, kl, <int> d, k_begin,
+                                        k_end, scale, m0, m_rs, s.mk, pad_row, limit, step,
+                                        s.window, row_max, row_sum, acc, work)
+    else:
+        if floating is float:
+            mha_fused_attend_f32(q0, q_rs, <int> rows_t, <int> d,
+                                 k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
+                                 s.mk, pad_row, limit, step, s.window, row_max, row_sum, acc,
+                                 work)
         else:
-            k0 = qkv + b * seq + (s.heads + g) * d
-            v0 = qkv + b * seq + (s.heads + s.kv_heads + g) * d
-        q0 = qkv + b * seq + h0 * d
-        o0 = ctx + b * s.length * n_q + h0 * d
-        memset(acc, 0, rows_t * d * sizeof(floating))
-        for r in range(rows_t):
-            row_max[r] = -INFINITY
-            row_sum[r] = 0
-        if s.kv_fmt != 0:
-            if floating is float:             # (stored formats: float32 modules only)
-                kv_off = b * kb + g * kh
-                # as _attention_kernel's _stored_attend_task runs it without masks or split-K
-                mha_kv_attend_f32(s.kv_fmt, _direct_rows(rows_t, d), q0, q_rs, <int> rows_t,
-                                  <int> d, <const char *> cache_k + kv_off * kv_isz, d,
-                                  k_scale + kv_off // d if k_scale != NULL else NULL,
-                                  <const char *> cache_v + kv_off * kv_isz, d,
-                                  v_scale + kv_off // d if v_scale != NULL else NULL, <int> d,
-                                  k_begin, k_end, scale, NULL, 0, 0, pad_row, limit, step,
-                                  s.window, row_max, row_sum, acc, work, conv, s.block_k)
-        elif _direct_rows(rows_t, d):
-            if floating is float:
-                mha_fused_attend_direct_f32(q0, q_rs, <int> rows_t, <int> d,
-                                            k0, kl, v0, kl, <int> d, k_begin,
-                                            k_end, scale, m0, m_rs, s.mk, pad_row, limit, step,
-                                            s.window, row_max, row_sum, acc, work)
-            else:
-                mha_fused_attend_direct_f64(q0, q_rs, <int> rows_t, <int> d,
-                                            k0, kl, v0, kl, <int> d, k_begin,
-                                            k_end, scale, m0, m_rs, s.mk, pad_row, limit, step,
-                                            s.window, row_max, row_sum, acc, work)
+            mha_fused_attend_f64(q0, q_rs, <int> rows_t, <int> d,
+                                 k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
+                                 s.mk, pad_row, limit, step, s.window, row_max, row_sum, acc,
+                                 work)
+    for r in range(rows_t):
+        if floating is float:
+            mha_finish_row_f32(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
         else:
-            if floating is float:
-                mha_fused_attend_f32(q0, q_rs, <int> rows_t, <int> d,
-                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
-                                     s.mk,
-                                     pad_row, limit, step, s.window, row_max, row_sum, acc,
-                                     work)
-            else:
-                mha_fused_attend_f64(q0, q_rs, <int> rows_t, <int> d,
-                                     k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
-                                     s.mk,
-                                     pad_row, limit, step, s.window, row_max, row_sum, acc,
-                                     work)
-        for r in range(rows_t):
-            if floating is float:
-                mha_finish_row_f32(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
-            else:
-                mha_finish_row_f64(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
-    # output projection
-    status = _linear(ctx, rows, n_q, w_out, b_out, out, s.embed)
+            mha_finish_row_f64(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
+
+
+cdef inline Py_ssize_t _work_size(const Step *s) noexcept nogil:
+    """Elements of the fused (or stored-format direct) kernel's work buffer, float32 sizes
+    (a float64 step asks for its own in _task_scratch_size)."""
+    cdef Py_ssize_t size = mha_fused_scratch_f32(<int> s.d)
+    if s.kv_fmt != 0:
+        size = max(size, mha_kv_direct_scratch())
+    return size
+
+
+cdef Py_ssize_t _task_scratch_size(const Step *s, bint is_double) noexcept nogil:
+    """Elements of one thread's task scratch (_attend_task), rounded up to 64 bytes so that
+    the threads' blocks share no cache line."""
+    cdef Py_ssize_t task_rows = s.max_group if s.heads_as_rows else s.length
+    cdef Py_ssize_t work = _work_size(s)
+    if is_double:
+        work = max(work, mha_fused_scratch_f64(<int> s.d))
+    # a stored format's converted key and value tiles, where the tasks take them
+    cdef Py_ssize_t conv = 2 * s.block_k * s.d if s.kv_fmt != 0 and _any_tile_task(s) else 0
+    cdef Py_ssize_t size = task_rows * (s.d + 2) + work + conv
+    return (size + 15) // 16 * 16
+
+
+cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t tile_cols, const floating *x,
+                               Py_ssize_t m, Py_ssize_t k, const floating *w,
+                               const floating *bias, floating *out, Py_ssize_t n,
+                               const floating *packed) noexcept nogil:
+    """Columns [t tile_cols, (t + 1) tile_cols) of out (m, n) = x (m, k) @ w (n, k)^T + bias:
+    small_gemm for up to MHA_SMALL_GEMM_MAX_ROWS rows (packed NULL), else from the packed
+    panels of x; each output is the same chain of FMAs whatever the tile."""
+    cdef Py_ssize_t c0 = t * tile_cols, c1 = min(n, c0 + tile_cols)
+    if packed == NULL:
+        if floating is float:
+            mha_small_gemm_f32(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
+                               out + c0, n, m, c1 - c0, k)
+        else:
+            mha_small_gemm_f64(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
+                               out + c0, n, m, c1 - c0, k)
+    elif floating is float:
+        mha_row_panel_gemm_f32(packed, m, k, w, k, bias, out, n, NULL, c0, c1)
+    else:
+        mha_row_panel_gemm_f64(packed, m, k, w, k, bias, out, n, NULL, c0, c1)
+
+
+cdef inline void _pack_panel(Py_ssize_t p, Py_ssize_t pr, const floating *x, Py_ssize_t m,
+                             Py_ssize_t k, floating *packed) noexcept nogil:
+    """Panel p (of pr rows) of x (m, k) into its place in packed: panels are independent, so
+    packing them one by one gives the bytes of packing all of x at once."""
+    cdef Py_ssize_t r0 = p * pr
+    if floating is float:
+        mha_pack_row_panels_f32(x + r0 * k, k, min(pr, m - r0), k, packed + r0 * k)
+    else:
+        mha_pack_row_panels_f64(x + r0 * k, k, min(pr, m - r0), k, packed + r0 * k)
+
+
+cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
+              const floating *b_in, const floating *w_out, const floating *b_out,
+              void *cache_k, void *cache_v, float *k_scale, float *v_scale,
+              const double *inv_freq, floating scale, floating *out, int team) noexcept nogil:
+    """The step on raw pointers, on `team` threads; 0, or -1 when out of memory (nothing
+    written then). starts: each sequence's cached length (a ragged cache), or NULL: all at
+    s.start. cache_k, cache_v: the storage in the format s.kv_fmt (int8: with k_scale,
+    v_scale)."""
+    cdef Py_ssize_t rows = s.batch * s.length, n_q = s.heads * s.d
+    cdef Py_ssize_t qkv_size = rows * s.n_in, ctx_size = rows * n_q
+    cdef Py_ssize_t rope_size = 2 * s.length * s.half
+    cdef Py_ssize_t task_size = _task_scratch_size(s, floating is double)
+    # the team's projections pack x (and then ctx) into panels shared by its tiles; one
+    # thread packs inside _linear
+    cdef Py_ssize_t packed_size = 0
+    if team > 1:
+        if floating is float:
+            packed_size = max(mha_row_panels_size_f32(rows, s.embed),
+                              mha_row_panels_size_f32(rows, n_q))
+        else:
+            packed_size = max(mha_row_panels_size_f64(rows, s.embed),
+                              mha_row_panels_size_f64(rows, n_q))
+    cdef floating *buf = <floating *> malloc(
+        (qkv_size + ctx_size + rope_size + packed_size + team * task_size + 16)
+        * sizeof(floating))
+    cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
+    if buf == NULL or positions == NULL:
+        free(buf)
+        free(positions)
+        return -1
+    cdef floating *qkv = buf
+    cdef floating *ctx = qkv + qkv_size
+    cdef floating *cos = ctx + ctx_size
+    cdef floating *sin = cos + s.length * s.half
+    cdef floating *packed = sin + s.length * s.half
+    # the threads' task blocks start on a 64-byte boundary (no shared cache lines)
+    cdef floating *tasks = packed + packed_size
+    tasks = tasks + ((64 - (<size_t> tasks) % 64) % 64) // sizeof(floating)
+    cdef Py_ssize_t n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
+    cdef Py_ssize_t t, p, tid
+    cdef int status = 0
+    cdef Py_ssize_t tile_rows, in_cols, out_cols, in_tiles, out_tiles
+    # the projections' row panels of x (and then ctx); 0: small_gemm reads them in place
+    cdef Py_ssize_t pr = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
+    cdef Py_ssize_t n_panels = 0 if rows <= MHA_SMALL_GEMM_MAX_ROWS else (rows + pr - 1) // pr
+    if team == 1:
+        status = _linear(x, rows, s.embed, w_in, b_in, qkv, s.n_in)
+        if status == 0:
+            _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k, cache_v,
+                            k_scale, v_scale)
+            for t in range(n_tasks):
+                _attend_task(s, t, starts, qkv, ctx, cache_k, cache_v, k_scale, v_scale,
+                             scale, tasks)
+            status = _linear(ctx, rows, n_q, w_out, b_out, out, s.embed)
+    else:
+        # the general path's column tiles (_linear_kernel), each stage after a barrier
+        linear_tile_grid(rows, s.n_in, s.embed, True, LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES,
+                         &tile_rows, &in_cols, panel_min_cols(rows, s.embed, sizeof(floating))
+                         if n_panels else 1)
+        linear_tile_grid(rows, s.embed, n_q, True, LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES,
+                         &tile_rows, &out_cols, panel_min_cols(rows, n_q, sizeof(floating))
+                         if n_panels else 1)
+        in_tiles = (s.n_in + in_cols - 1) // in_cols
+        out_tiles = (s.embed + out_cols - 1) // out_cols
+        with nogil, parallel(num_threads=team):
+            tid = mha_omp_get_thread_num()
+            for p in prange(n_panels, schedule='static'):
+                _pack_panel(p, pr, x, rows, s.embed, packed)
+            mha_omp_barrier()
+            for t in prange(in_tiles, schedule='dynamic'):
+                _project_tile(t, in_cols, x, rows, s.embed, w_in, b_in, qkv, s.n_in,
+                              packed if n_panels else NULL)
+            mha_omp_barrier()
+            if tid == 0:
+                _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k,
+                                cache_v, k_scale, v_scale)
+            mha_omp_barrier()
+            for t in prange(n_tasks, schedule='dynamic'):
+                _attend_task(s, t, starts, qkv, ctx, cache_k, cache_v, k_scale, v_scale,
+                             scale, tasks + tid * task_size)
+            mha_omp_barrier()
+            for p in prange(n_panels, schedule='static'):
+                _pack_panel(p, pr, ctx, rows, n_q, packed)
+            mha_omp_barrier()
+            for t in prange(out_tiles, schedule='dynamic'):
+                _project_tile(t, out_cols, ctx, rows, n_q, w_out, b_out, out, s.embed,
+                              packed if n_panels else NULL)
     free(buf)
     free(positions)
     return status
@@ -572,9 +723,12 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     cdef double attn_flops = attention_flops(s.batch, heads, s.length, k_len, d, d, causal,
                                              window)
     cdef double flops = attn_flops + 2.0 * rows * s.embed * (s.n_in + heads * d)
+    cdef int team = 1
     if n_threads > 1 and (flops > MAX_SERIAL_FLOPS
                           or attn_flops >= MAX_SERIAL_ATTENTION_FLOPS):
-        return None
+        if flops > MAX_TEAM_FLOPS:
+            return None
+        team = <int> min(<double> n_threads, max(2.0, flops / MIN_TEAM_FLOPS_PER_THREAD))
     cdef cnp.ndarray out = cnp.PyArray_EMPTY(3, cnp.PyArray_DIMS(x), typenum, 0)
     cdef int status
     cdef void *px = cnp.PyArray_DATA(x)
@@ -593,12 +747,12 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
         with nogil:
             status = _run(&s, starts, <const float *> px, <const float *> pwi,
                           <const float *> pbi, <const float *> pwo, <const float *> pbo,
-                          pk, pv, pks, pvs, pf, <float> scale, <float *> po)
+                          pk, pv, pks, pvs, pf, <float> scale, <float *> po, team)
     else:
         with nogil:
             status = _run(&s, starts, <const double *> px, <const double *> pwi,
                           <const double *> pbi, <const double *> pwo, <const double *> pbo,
-                          pk, pv, NULL, NULL, pf, scale, <double *> po)
+                          pk, pv, NULL, NULL, pf, scale, <double *> po, team)
     if status != 0:
         raise MemoryError("mha_cy: could not allocate a small call's scratch")
     return out

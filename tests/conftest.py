@@ -183,3 +183,24 @@ def pytest_sessionfinish(session):
                   for name, (n, skipped, sec, _, _) in _FUZZ_TRIED.items()}
         with open(path, "w") as f:
             json.dump({"profile": FUZZ_PROFILE, "tests": report}, f, indent=1)
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """A list that records, for each call into _step_kernel from mha_cy.attention, whether
+    the compiled call ran (True) or declined (False)."""
+    from mha_cy import _step_kernel, attention
+    record = []
+
+    def counting(function):
+        def call(*args):
+            out = function(*args)
+            record.append(out is not None)
+            return out
+        return staticmethod(call)
+
+    class Counting:
+        decode_step = counting(_step_kernel.decode_step)
+        self_attention = counting(_step_kernel.self_attention)
+    monkeypatch.setattr(attention, "_step_kernel", Counting)
+    return record

@@ -184,27 +184,6 @@ def test_a_failed_step_changes_nothing(rng):
     np.testing.assert_array_equal(cache.lengths, before.lengths)
 
 
-@pytest.fixture
-def taken(monkeypatch):
-    """A list that records, for each call into _step_kernel from mha_cy.attention, whether
-    the compiled call ran (True) or declined (False)."""
-    from mha_cy import attention
-    record = []
-
-    def counting(function):
-        def call(*args):
-            out = function(*args)
-            record.append(out is not None)
-            return out
-        return staticmethod(call)
-
-    class Counting:
-        decode_step = counting(_step_kernel.decode_step)
-        self_attention = counting(_step_kernel.self_attention)
-    monkeypatch.setattr(attention, "_step_kernel", Counting)
-    return record
-
-
 def test_the_module_takes_the_compiled_step(rng, taken):
     """mha(x, cache=...) reaches the compiled step for decode steps of every geometry above
     (so that the bitwise comparisons compare two different paths)."""

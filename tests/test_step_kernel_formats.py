@@ -18,7 +18,7 @@ import pytest
 
 import mha_cy
 from mha_cy import _kv_encode
-from test_step_kernel import _module, ROPES, taken  # noqa: F401  (taken: a fixture)
+from test_step_kernel import _module, ROPES
 
 FORMATS = {"float16": np.float16, "int8": "int8"}
 
