@@ -30,6 +30,13 @@ cdef enum:
     # (PANEL_TILE_WEIGHT_BYTES of weight columns) where the packed x is larger than this; a
     # smaller one stays in L2 (half of Zen 1's 512 KiB) while any number of tiles re-read it.
     PANEL_X_CACHED_BYTES = 256 * 1024
+    # Beyond that, tiles are row groups of about this much packed x times column blocks: a
+    # group stays in L2 with its tile's weight columns while they pass over it, where a
+    # column block over all the rows streamed the packed x (12 MiB for 4096 rows of 768) from
+    # L3 or DRAM once per tile. Zen 2, one thread, GFLOP/s, all rows -> groups of 96 rows:
+    # 4096 x 768 -> 2304 71.7 -> 85.8, 4096 x 512 -> 1536 79.0 -> 86.7, 4096 x 768 -> 768
+    # 75.4 -> 81.8, 4096 x 512 -> 512 59.6 -> 82.1 (groups of 32 to 128 rows: within 1%).
+    PANEL_X_GROUP_BYTES = 192 * 1024
     # _linear_kernel's defaults (its MIN_TILE_FLOPS, MAX_TILES knobs start here): a tile is
     # worth a thread's wake-up and its re-reads of x and w from about this much work; at most
     # this many tiles, enough to share among many cores and to even out 2 or 3 threads, few
@@ -85,6 +92,16 @@ cdef inline Py_ssize_t panel_min_cols(Py_ssize_t M, Py_ssize_t K, Py_ssize_t ite
     if M * K * itemsize > PANEL_X_CACHED_BYTES:
         return PANEL_TILE_WEIGHT_BYTES // (K * itemsize)
     return 1
+
+
+cdef inline Py_ssize_t panel_group_rows(Py_ssize_t M, Py_ssize_t K, Py_ssize_t itemsize,
+                                        Py_ssize_t panel_rows) noexcept nogil:
+    """Rows of a panel tile (a multiple of panel_rows, or M): all M while the packed x stays
+    in L2 (PANEL_X_CACHED_BYTES), else groups of about PANEL_X_GROUP_BYTES of it."""
+    if M * K * itemsize <= PANEL_X_CACHED_BYTES:
+        return M
+    cdef Py_ssize_t rows = PANEL_X_GROUP_BYTES // max(<Py_ssize_t> 1, K * itemsize)
+    return min(M, max(panel_rows, rows // panel_rows * panel_rows))
 
 
 cdef inline double attention_flops(Py_ssize_t batch, Py_ssize_t q_heads, Py_ssize_t q_len,

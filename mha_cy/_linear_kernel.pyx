@@ -7,7 +7,8 @@ take tiles dynamically; each tile is one single-threaded BLAS call. A BLAS call'
 depends on its shape, so fixing the tiles by the shape makes the result bitwise the same for
 any number of threads. Tiles are near-square (a tile re-reads its rows of x and of the weight:
 square tiles re-read the least), except on the two paths that replace BLAS, where tiles are
-column blocks over all rows:
+column blocks over all rows (the panels: over row groups that stay in L2, once the packed x
+does not; _kernel_rules.pxd, PANEL_X_GROUP_BYTES):
 - up to 8 rows (decode steps), src/small_gemm.c: each thread streams only its own weight rows,
   once, and computes no padding rows;
 - every other row count (up to PANEL_MAX_ROWS, unlimited by default), src/row_panel_gemm.c: x
@@ -29,7 +30,7 @@ from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._kernel_rules cimport (LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
-                             panel_min_cols)
+                             panel_min_cols, panel_group_rows)
 from ._openmp_helpers cimport mha_omp_barrier
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
@@ -100,21 +101,26 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
                              bint few_rows, const floating *packed, const Py_ssize_t *row_off,
                              Py_ssize_t head_dim, Py_ssize_t head_shift) noexcept nogil:
     """Tile t of the grid (row-major order of tiles); packed: x in row panels, or NULL.
-    Panels only: the tile is cut at multiples of head_dim (N: uncut), and column j of head
+    Panels only: the tile (a group of whole panels: tile_rows is a multiple of the panel
+    rows, or M) is cut at multiples of head_dim (N: uncut), and column j of head
     h = j // head_dim goes head_shift * h further; row_off: out row i at out + row_off[i]
     instead of i * ldo (linear_heads), or NULL."""
     cdef Py_ssize_t r0 = (t // col_tiles) * tile_rows, c0 = (t % col_tiles) * tile_cols
-    cdef Py_ssize_t c1 = min(c0 + tile_cols, N), h, ce
-    if packed != NULL:   # the tile is a column block over all M rows, cut at heads
+    cdef Py_ssize_t c1 = min(c0 + tile_cols, N), h, ce, m = min(tile_rows, M - r0)
+    cdef floating *o
+    if packed != NULL:   # the tile's rows of every panel it covers, cut at heads
+        o = out if row_off != NULL else out + r0 * ldo
+        if row_off != NULL:
+            row_off = row_off + r0
         while c0 < c1:
             h = c0 // head_dim
             ce = min(c1, (h + 1) * head_dim)
             if floating is float:
-                mha_row_panel_gemm_f32(packed, M, K, w, ldx, bias, out + h * head_shift, ldo,
-                                       row_off, c0, ce)
+                mha_row_panel_gemm_f32(packed + r0 * K, m, K, w, ldx, bias, o + h * head_shift,
+                                       ldo, row_off, c0, ce)
             else:
-                mha_row_panel_gemm_f64(packed, M, K, w, ldx, bias, out + h * head_shift, ldo,
-                                       row_off, c0, ce)
+                mha_row_panel_gemm_f64(packed + r0 * K, m, K, w, ldx, bias, o + h * head_shift,
+                                       ldo, row_off, c0, ce)
             c0 = ce
         return
     _linear_block(x + r0 * ldx, ldx, w + c0 * ldx, ldx, NULL if bias == NULL else bias + c0,
@@ -233,6 +239,8 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
     cdef Py_ssize_t tile_rows, tile_cols
     linear_tile_grid(M, N, K, few_rows or panels, MIN_TILE_FLOPS, MAX_TILES, &tile_rows,
                      &tile_cols, panel_min_cols(M, K, sizeof(floating)) if panels else 1)
+    if panels:         # row groups that stay in L2 (_kernel_rules.pxd: PANEL_X_GROUP_BYTES)
+        tile_rows = panel_group_rows(M, K, sizeof(floating), panel_rows)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles

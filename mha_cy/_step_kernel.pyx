@@ -74,7 +74,7 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, PANEL_TILE_WEIGHT_BYTES,
                              LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
-                             panel_min_cols, attention_flops, direct_rows,
+                             panel_min_cols, panel_group_rows, attention_flops, direct_rows,
                              largest_group, skip_end_padding, split_k_parts)
 
 cnp.import_array()
@@ -147,17 +147,25 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
         mha_pack_row_panels_f32(x, k, m, k, packed)
     else:
         mha_pack_row_panels_f64(x, k, m, k, packed)
-    # column blocks whose weight rows stay in L2 while every panel passes (as the general
-    # path's tiles: PANEL_TILE_WEIGHT_BYTES); the blocks do not change any output's sum
+    # row groups that stay in L2 with column blocks whose weight rows do too (as the general
+    # path's tiles: PANEL_X_GROUP_BYTES, PANEL_TILE_WEIGHT_BYTES); the blocks do not change
+    # any output's sum
     cdef Py_ssize_t cols = max(<Py_ssize_t> 16,
                                PANEL_TILE_WEIGHT_BYTES // (k * sizeof(floating)))
-    cdef Py_ssize_t j0 = 0
-    while j0 < n:
-        if floating is float:
-            mha_row_panel_gemm_f32(packed, m, k, w, k, bias, out, n, NULL, j0, min(n, j0 + cols))
-        else:
-            mha_row_panel_gemm_f64(packed, m, k, w, k, bias, out, n, NULL, j0, min(n, j0 + cols))
-        j0 += cols
+    cdef Py_ssize_t group = panel_group_rows(
+        m, k, sizeof(floating), MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64)
+    cdef Py_ssize_t r0 = 0, j0
+    while r0 < m:
+        j0 = 0
+        while j0 < n:
+            if floating is float:
+                mha_row_panel_gemm_f32(packed + r0 * k, min(group, m - r0), k, w, k, bias,
+                                       out + r0 * n, n, NULL, j0, min(n, j0 + cols))
+            else:
+                mha_row_panel_gemm_f64(packed + r0 * k, min(group, m - r0), k, w, k, bias,
+                                       out + r0 * n, n, NULL, j0, min(n, j0 + cols))
+            j0 += cols
+        r0 += group
     free(packed)
     return 0
 
@@ -373,14 +381,16 @@ cdef Py_ssize_t _task_scratch_size(const Step *s, bint is_double) noexcept nogil
     return (size + 15) // 16 * 16
 
 
-cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t tile_cols, const floating *x,
-                               Py_ssize_t m, Py_ssize_t k, const floating *w,
-                               const floating *bias, floating *out, Py_ssize_t n,
-                               const floating *packed) noexcept nogil:
-    """Columns [t tile_cols, (t + 1) tile_cols) of out (m, n) = x (m, k) @ w (n, k)^T + bias:
-    small_gemm for up to MHA_SMALL_GEMM_MAX_ROWS rows (packed NULL), else from the packed
-    panels of x; each output is the same chain of FMAs whatever the tile."""
-    cdef Py_ssize_t c0 = t * tile_cols, c1 = min(n, c0 + tile_cols)
+cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t tile_rows,
+                               Py_ssize_t tile_cols, const floating *x, Py_ssize_t m,
+                               Py_ssize_t k, const floating *w, const floating *bias,
+                               floating *out, Py_ssize_t n, const floating *packed) noexcept nogil:
+    """Tile t (row-major order) of out (m, n) = x (m, k) @ w (n, k)^T + bias, as
+    _linear_kernel cuts it: small_gemm for up to MHA_SMALL_GEMM_MAX_ROWS rows (packed NULL,
+    one row tile), else from the packed panels of x (tile_rows: whole panels); each output is
+    the same chain of FMAs whatever the tile."""
+    cdef Py_ssize_t r0 = (t // col_tiles) * tile_rows, c0 = (t % col_tiles) * tile_cols
+    cdef Py_ssize_t c1 = min(n, c0 + tile_cols), rows = min(tile_rows, m - r0)
     if packed == NULL:
         if floating is float:
             mha_small_gemm_f32(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
@@ -389,9 +399,11 @@ cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t tile_cols, const floatin
             mha_small_gemm_f64(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
                                out + c0, n, m, c1 - c0, k)
     elif floating is float:
-        mha_row_panel_gemm_f32(packed, m, k, w, k, bias, out, n, NULL, c0, c1)
+        mha_row_panel_gemm_f32(packed + r0 * k, rows, k, w, k, bias, out + r0 * n, n, NULL,
+                               c0, c1)
     else:
-        mha_row_panel_gemm_f64(packed, m, k, w, k, bias, out, n, NULL, c0, c1)
+        mha_row_panel_gemm_f64(packed + r0 * k, rows, k, w, k, bias, out + r0 * n, n, NULL,
+                               c0, c1)
 
 
 cdef inline void _pack_panel(Py_ssize_t p, Py_ssize_t pr, const floating *x, Py_ssize_t m,
@@ -446,7 +458,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef Py_ssize_t n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
     cdef Py_ssize_t t, p, tid
     cdef int status = 0
-    cdef Py_ssize_t tile_rows, in_cols, out_cols, in_tiles, out_tiles
+    cdef Py_ssize_t tile_rows, in_rows, out_rows, in_cols, out_cols, in_tiles, out_tiles
+    cdef Py_ssize_t in_cols_n, out_cols_n
     # the projections' row panels of x (and then ctx); 0: small_gemm reads them in place
     cdef Py_ssize_t pr = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
     cdef Py_ssize_t n_panels = 0 if rows <= MHA_SMALL_GEMM_MAX_ROWS else (rows + pr - 1) // pr
@@ -460,23 +473,27 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                              scale, tasks)
             status = _linear(ctx, rows, n_q, w_out, b_out, out, s.embed)
     else:
-        # the general path's column tiles (_linear_kernel), each stage after a barrier
+        # the general path's tiles (_linear_kernel), each stage after a barrier
         linear_tile_grid(rows, s.n_in, s.embed, True, LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES,
                          &tile_rows, &in_cols, panel_min_cols(rows, s.embed, sizeof(floating))
                          if n_panels else 1)
         linear_tile_grid(rows, s.embed, n_q, True, LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES,
                          &tile_rows, &out_cols, panel_min_cols(rows, n_q, sizeof(floating))
                          if n_panels else 1)
-        in_tiles = (s.n_in + in_cols - 1) // in_cols
-        out_tiles = (s.embed + out_cols - 1) // out_cols
+        in_rows = panel_group_rows(rows, s.embed, sizeof(floating), pr) if n_panels else rows
+        out_rows = panel_group_rows(rows, n_q, sizeof(floating), pr) if n_panels else rows
+        in_cols_n = (s.n_in + in_cols - 1) // in_cols
+        out_cols_n = (s.embed + out_cols - 1) // out_cols
+        in_tiles = (rows + in_rows - 1) // in_rows * in_cols_n
+        out_tiles = (rows + out_rows - 1) // out_rows * out_cols_n
         with nogil, parallel(num_threads=team):
             tid = mha_omp_get_thread_num()
             for p in prange(n_panels, schedule='static'):
                 _pack_panel(p, pr, x, rows, s.embed, packed)
             mha_omp_barrier()
             for t in prange(in_tiles, schedule='dynamic'):
-                _project_tile(t, in_cols, x, rows, s.embed, w_in, b_in, qkv, s.n_in,
-                              packed if n_panels else NULL)
+                _project_tile(t, in_cols_n, in_rows, in_cols, x, rows, s.embed, w_in, b_in, qkv,
+                              s.n_in, packed if n_panels else NULL)
             mha_omp_barrier()
             if tid == 0:
                 _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k,
@@ -490,8 +507,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                 _pack_panel(p, pr, ctx, rows, n_q, packed)
             mha_omp_barrier()
             for t in prange(out_tiles, schedule='dynamic'):
-                _project_tile(t, out_cols, ctx, rows, n_q, w_out, b_out, out, s.embed,
-                              packed if n_panels else NULL)
+                _project_tile(t, out_cols_n, out_rows, out_cols, ctx, rows, n_q, w_out, b_out,
+                              out, s.embed, packed if n_panels else NULL)
     free(buf)
     free(positions)
     return status

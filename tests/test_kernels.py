@@ -66,6 +66,7 @@ SHAPES = {
     "blas_rows_uneven": (33, 7, 100),
     "panel_rows_tail_and_weight_rows_tail": (37, 50, 83),
     "more_rows_than_panels_handle": (300, 40, 70),
+    "panel_row_groups": (600, 130, 70),  # packed x > PANEL_X_CACHED_BYTES: row groups + tail
     "tiny": (1, 1, 1),
 }
 
@@ -119,8 +120,8 @@ def test_linear(rng, dtype, shape, n_threads, with_bias, tiling):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(70, 48, 300), (300, 64, 700), (5, 700, 800)],
-                         ids=["blas", "blas_2d_grid", "small_gemm"])
+@pytest.mark.parametrize("shape", [(70, 48, 300), (300, 64, 700), (5, 700, 800), (600, 130, 70)],
+                         ids=["blas", "blas_2d_grid", "small_gemm", "panel_row_groups"])
 def test_linear_bitwise_same_for_any_thread_count(rng, dtype, shape, tiling):
     """Tiles depend on the shape only, so BLAS rounds every element the same way."""
     M, K, N = shape
@@ -142,7 +143,7 @@ def test_linear_bitwise_same_for_any_thread_count(rng, dtype, shape, tiling):
 HEAD_SHAPES = {"one_sequence": (1, 70, 48, 6, 16), "straddling_panels": (3, 37, 40, 5, 8),
                "rows_below_a_panel": (2, 3, 24, 4, 8), "head_dim_80": (2, 20, 33, 3, 80),
                "head_dim_1": (2, 17, 9, 7, 1), "few_rows": (1, 4, 600, 4, 128),
-               "k_0": (2, 5, 0, 2, 4)}
+               "k_0": (2, 5, 0, 2, 4), "panel_row_groups": (3, 211, 130, 5, 16)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,6 +163,24 @@ def test_linear_heads_is_linear_split_into_heads_bitwise(rng, dtype, shape, with
         out = np.full((B, H, L, D), np.nan, dtype)
         _linear_kernel.linear_heads(x, w, bias, out, n)
         np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_panel_row_groups_change_no_bit(rng, dtype):
+    """Beyond PANEL_X_CACHED_BYTES of packed x the panel tiles are row groups
+    (PANEL_X_GROUP_BYTES): each output is still one chain of FMAs, so its rows equal those of
+    the same rows computed alone, as one group, bit for bit."""
+    M, K, N = 1500, 130, 90
+    x = rng.standard_normal((M, K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    b = rng.standard_normal(N).astype(dtype)
+    whole = np.empty((M, N), dtype)
+    linear(x, w, b, whole, 2)
+    rows = 256 * 1024 // (K * np.dtype(dtype).itemsize) // 16 * 16   # alone: no groups
+    for r0 in (0, 480, M - rows):
+        part = np.empty((rows, N), dtype)
+        linear(np.ascontiguousarray(x[r0:r0 + rows]), w, b, part, 1)
+        np.testing.assert_array_equal(whole[r0:r0 + rows], part, err_msg=str(r0))
 
 
 def test_linear_heads_rejects_inconsistent_shapes():
