@@ -14,8 +14,10 @@ Layout of the package (one job per file):
   _linear_kernel.pyx      the projections (x @ W.T + b), shape-fixed tiles over OpenMP threads
   _attention_kernel.pyx   attention tasks over OpenMP threads: fused C tiles (BLAS for head
                           dims > 256), online softmax, split-K
-  _kernel_rules.pxd       the kernels' tuning constants and split-K rule, declared once (the
-                          compiled small calls of _step_kernel.pyx reproduce those rules)
+  _kernel_rules.pxd       the kernels' tuning constants, projection tile grid and split-K
+                          rule, declared once (the compiled small calls reproduce them)
+  _step_kernel.pyx        a small call (decode step, prefill or self-attention of <= 256 tokens
+                          a sequence) as one compiled call: serial, or one team of threads
   _cython_blas.pyx/.pxd   row-major GEMM over scipy.linalg.cython_blas (nogil)
   _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
   _threads.py             the thread-count contract; BLAS held to one thread inside kernels
