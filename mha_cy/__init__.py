@@ -19,6 +19,7 @@ Layout of the package (one job per file):
   _step_kernel.pyx        a small call (decode step, prefill or self-attention of <= 256 tokens
                           a sequence) as one compiled call: serial, or one team of threads
   _cython_blas.pyx/.pxd   row-major GEMM over scipy.linalg.cython_blas (nogil)
+  _panels.pxd             packing x into the projections' row panels, a panel at a time
   _openmp_helpers.pyx/.pxd  the only OpenMP calls, with a serial fallback
   _threads.py             the thread-count contract; BLAS held to one thread inside kernels
   _build_info.py          build_info(): version, OpenMP, threads, BLAS, SIMD level

@@ -25,13 +25,13 @@ from cython.parallel cimport parallel, prange
 
 from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM_MAX_ROWS,
                           MHA_SMALL_GEMM_MIN_WEIGHT_BYTES, mha_small_gemm_f32, mha_small_gemm_f64,
-                          mha_row_panels_size_f32, mha_row_panels_size_f64, mha_pack_row_panels_f32,
-                          mha_pack_row_panels_f64, mha_row_panel_gemm_f32,
+                          mha_row_panels_size_f32, mha_row_panels_size_f64, mha_row_panel_gemm_f32,
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._kernel_rules cimport (LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
                              panel_min_cols, panel_group_rows)
 from ._openmp_helpers cimport mha_omp_barrier
+from ._panels cimport pack_panel
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
 # every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30
@@ -125,18 +125,6 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
         return
     _linear_block(x + r0 * ldx, ldx, w + c0 * ldx, ldx, NULL if bias == NULL else bias + c0,
                   out + r0 * ldo + c0, ldo, min(tile_rows, M - r0), c1 - c0, K, few_rows)
-
-
-cdef inline void _pack_panel(Py_ssize_t p, Py_ssize_t panel_rows, const floating *x,
-                            Py_ssize_t ldx, Py_ssize_t M, Py_ssize_t K,
-                            floating *packed) noexcept nogil:
-    """Panel p of x (rows p * panel_rows ..) into its place in packed: panels are independent,
-    so packing them one by one gives the bytes mha_pack_row_panels gives for all of x."""
-    cdef Py_ssize_t r0 = p * panel_rows
-    if floating is float:
-        mha_pack_row_panels_f32(x + r0 * ldx, ldx, min(panel_rows, M - r0), K, packed + r0 * K)
-    else:
-        mha_pack_row_panels_f64(x + r0 * ldx, ldx, min(panel_rows, M - r0), K, packed + r0 * K)
 
 
 def tile_grid(M, N, K, column_blocks=False, min_cols=1):
@@ -251,7 +239,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
     if team == 1:        # no parallel region: it costs microseconds even for one thread
         with nogil:
             for p in range(n_panels):
-                _pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
+                pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
             for t in range(n_tiles):
                 _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,
                              o_ptr, ldo, M, N, K, few_rows, packed, row_off, segment,
@@ -261,7 +249,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             # the panels are packed by the team too (one thread took 5% of a 128-row
             # projection's time); every tile reads all of them
             for p in prange(n_panels, schedule='static'):
-                _pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
+                pack_panel(p, panel_rows, x_ptr, ldx, M, K, packed)
             mha_omp_barrier()
             for t in prange(n_tiles, schedule='dynamic'):
                 _linear_tile(t, col_tiles, tile_rows, tile_cols, x_ptr, ldx, w_ptr, bias_ptr,

@@ -60,6 +60,7 @@ import numpy as np
 
 from . import _attention_kernel, _linear_kernel
 from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
+from ._panels cimport pack_panel
 from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, mha_small_gemm_f32, mha_small_gemm_f64,
                           mha_row_panels_size_f32, mha_row_panels_size_f64,
                           mha_pack_row_panels_f32, mha_pack_row_panels_f64,
@@ -406,17 +407,6 @@ cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t ti
                                c0, c1)
 
 
-cdef inline void _pack_panel(Py_ssize_t p, Py_ssize_t pr, const floating *x, Py_ssize_t m,
-                             Py_ssize_t k, floating *packed) noexcept nogil:
-    """Panel p (of pr rows) of x (m, k) into its place in packed: panels are independent, so
-    packing them one by one gives the bytes of packing all of x at once."""
-    cdef Py_ssize_t r0 = p * pr
-    if floating is float:
-        mha_pack_row_panels_f32(x + r0 * k, k, min(pr, m - r0), k, packed + r0 * k)
-    else:
-        mha_pack_row_panels_f64(x + r0 * k, k, min(pr, m - r0), k, packed + r0 * k)
-
-
 cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
               const floating *b_in, const floating *w_out, const floating *b_out,
               void *cache_k, void *cache_v, float *k_scale, float *v_scale,
@@ -489,7 +479,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         with nogil, parallel(num_threads=team):
             tid = mha_omp_get_thread_num()
             for p in prange(n_panels, schedule='static'):
-                _pack_panel(p, pr, x, rows, s.embed, packed)
+                pack_panel(p, pr, x, s.embed, rows, s.embed, packed)
             mha_omp_barrier()
             for t in prange(in_tiles, schedule='dynamic'):
                 _project_tile(t, in_cols_n, in_rows, in_cols, x, rows, s.embed, w_in, b_in, qkv,
@@ -504,7 +494,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                              scale, tasks + tid * task_size)
             mha_omp_barrier()
             for p in prange(n_panels, schedule='static'):
-                _pack_panel(p, pr, ctx, rows, n_q, packed)
+                pack_panel(p, pr, ctx, n_q, rows, n_q, packed)
             mha_omp_barrier()
             for t in prange(out_tiles, schedule='dynamic'):
                 _project_tile(t, out_cols_n, out_rows, out_cols, ctx, rows, n_q, w_out, b_out,
