@@ -139,3 +139,25 @@ def test_calls_above_the_team_bound_take_the_general_path(rng, taken):
         finally:
             _step_kernel._set_max_team_flops(previous)
     assert taken == [True, False]
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"], ids=["f32", "i8"])
+def test_team_calls_of_uneven_groups_equal_the_general_path(rng, taken, fmt):
+    """A pruned module's uneven GQA groups (K/V heads of 3 and 4 query heads): mha(x) and a
+    cached prefill + step on 3 threads, against the general path and one thread."""
+    mha = _module(rng, (512, 8, 2, 64), np.float32).prune_heads([0])
+    assert mha.num_heads == 7 and mha._kv_index is not None
+    x = rng.standard_normal((2, 40, 512)).astype(np.float32)
+    team, general, serial = _three_ways(taken, lambda: mha(x, is_causal=True), 3)
+    np.testing.assert_array_equal(team, general)
+    np.testing.assert_array_equal(team, serial)
+    runs = []
+    for n_threads, team_flops in ((3, None), (3, 0), (1, None)):
+        cache = mha.new_cache(2, 41, dtype=fmt)
+        with mha_cy.threads(n_threads), (_general_path() if team_flops == 0
+                                         else contextlib.nullcontext()):
+            runs.append((mha(x, cache=cache), mha(x[:, :1], cache=cache), cache.key.copy(),
+                         cache.value.copy()))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
