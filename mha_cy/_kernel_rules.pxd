@@ -104,6 +104,19 @@ cdef inline Py_ssize_t panel_group_rows(Py_ssize_t M, Py_ssize_t K, Py_ssize_t i
     return min(M, max(panel_rows, rows // panel_rows * panel_rows))
 
 
+
+cdef inline void column_tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                                  Py_ssize_t itemsize, Py_ssize_t panel_rows,
+                                  double min_tile_flops, Py_ssize_t max_tiles,
+                                  Py_ssize_t *tile_rows, Py_ssize_t *tile_cols) noexcept nogil:
+    """The tiles of the projections without BLAS: panel_rows > 0, the row panels (tiles at
+    least panel_min_cols wide, in row groups of panel_group_rows); 0, small_gemm (column
+    blocks over all rows)."""
+    linear_tile_grid(M, N, K, True, min_tile_flops, max_tiles, tile_rows, tile_cols,
+                     panel_min_cols(M, K, itemsize) if panel_rows > 0 else 1)
+    if panel_rows > 0:
+        tile_rows[0] = panel_group_rows(M, K, itemsize, panel_rows)
+
 cdef inline double attention_flops(Py_ssize_t batch, Py_ssize_t q_heads, Py_ssize_t q_len,
                                    Py_ssize_t k_len, Py_ssize_t d, Py_ssize_t dv, bint causal,
                                    Py_ssize_t window) noexcept nogil:

@@ -29,7 +29,7 @@ from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM
                           mha_row_panel_gemm_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._kernel_rules cimport (LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
-                             panel_min_cols, panel_group_rows)
+                             column_tile_grid)
 from ._openmp_helpers cimport mha_omp_barrier
 from ._panels cimport pack_panel
 
@@ -128,9 +128,9 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
 
 
 def tile_grid(M, N, K, column_blocks=False, min_cols=1):
-    """(tile_rows, tile_cols) the kernel uses for that shape (for tests and tuning); the panel
-    path passes min_cols = PANEL_TILE_WEIGHT_BYTES // (K * itemsize) when the packed x has
-    more than PANEL_X_CACHED_BYTES, else 1."""
+    """(tile_rows, tile_cols) of _kernel_rules.linear_tile_grid for that shape (for tests and
+    tuning). The paths without BLAS use column_tile_grid: its min_cols, and for the panels
+    row groups (panel_group_rows) once the packed x outgrows PANEL_X_CACHED_BYTES."""
     cdef Py_ssize_t tr, tc
     linear_tile_grid(M, N, K, column_blocks, MIN_TILE_FLOPS, MAX_TILES, &tr, &tc, min_cols)
     return tr, tc
@@ -225,10 +225,11 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             free(row_off)
             raise MemoryError("linear: could not allocate the packed rows of x")
     cdef Py_ssize_t tile_rows, tile_cols
-    linear_tile_grid(M, N, K, few_rows or panels, MIN_TILE_FLOPS, MAX_TILES, &tile_rows,
-                     &tile_cols, panel_min_cols(M, K, sizeof(floating)) if panels else 1)
-    if panels:         # row groups that stay in L2 (_kernel_rules.pxd: PANEL_X_GROUP_BYTES)
-        tile_rows = panel_group_rows(M, K, sizeof(floating), panel_rows)
+    if few_rows or panels:   # column blocks (the panels: in row groups that stay in L2)
+        column_tile_grid(M, N, K, sizeof(floating), panel_rows if panels else 0,
+                         MIN_TILE_FLOPS, MAX_TILES, &tile_rows, &tile_cols)
+    else:
+        linear_tile_grid(M, N, K, False, MIN_TILE_FLOPS, MAX_TILES, &tile_rows, &tile_cols, 1)
     cdef Py_ssize_t row_tiles = (M + tile_rows - 1) // tile_rows
     cdef Py_ssize_t col_tiles = (N + tile_cols - 1) // tile_cols
     cdef Py_ssize_t n_tiles = row_tiles * col_tiles

@@ -22,7 +22,7 @@ pure speed-up (tests/test_step_kernel.py checks it):
 Work that would not pay for threads (or with one thread asked) runs on the calling thread.
 Above that (MAX_SERIAL_FLOPS) and up to MAX_TEAM_FLOPS, the stages run on a team of threads in
 one parallel region, with a barrier between them: the projections in the general path's
-column tiles (linear_tile_grid), RoPE and the cache write on one thread, the attention tasks
+column tiles (column_tile_grid), RoPE and the cache write on one thread, the attention tasks
 shared dynamically. Every output is computed as on one thread, so the bits do not depend on
 the team's size (tests/test_step_kernel_team.py). The general path's three kernel calls,
 each a parallel region of its own, cost more: measured on Zen 2, 2 threads, the same
@@ -61,7 +61,8 @@ import numpy as np
 from . import _attention_kernel, _linear_kernel
 from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
 from ._panels cimport pack_panel
-from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, mha_small_gemm_f32, mha_small_gemm_f64,
+from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64,
+                          mha_small_gemm_f32, mha_small_gemm_f64,
                           mha_row_panels_size_f32, mha_row_panels_size_f64,
                           mha_pack_row_panels_f32, mha_pack_row_panels_f64,
                           mha_row_panel_gemm_f32, mha_row_panel_gemm_f64, mha_rope_table_f32,
@@ -74,8 +75,8 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL
                           mha_kv_direct_scratch, mha_kv_attend_f32, mha_kv_itemsize,
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, PANEL_TILE_WEIGHT_BYTES,
-                             LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
-                             panel_min_cols, panel_group_rows, attention_flops, direct_rows,
+                             LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, column_tile_grid,
+                             panel_group_rows, attention_flops, direct_rows,
                              largest_group, skip_end_padding, split_k_parts)
 
 cnp.import_array()
@@ -206,18 +207,6 @@ cdef inline void _store(int kv_fmt, const floating *src, void *cache, float *sca
     memcpy(<floating *> cache + dst, src, d * sizeof(floating))
 
 
-cdef struct Buffers:
-    # _run's scratch, in the module dtype (void: a struct cannot take a fused type)
-    void *qkv                 # (rows, n_in): the projected q, k, v of every token
-    void *ctx                 # (rows, heads * d): the attention's output
-    void *cos                 # RoPE tables of one sequence's positions (length x half each)
-    void *sin
-    void *packed              # a projection's x in row panels (the team: shared by the tiles)
-    void *task                # per thread: a task's acc, row max, row sum, work, conv
-    Py_ssize_t task_size      # elements of one thread's task scratch
-    int64_t *positions
-
-
 cdef void _rope_and_store(const Step *s, const int64_t *starts, floating *qkv, floating *cos,
                           floating *sin, int64_t *positions, const double *inv_freq,
                           void *cache_k, void *cache_v, float *k_scale,
@@ -266,7 +255,7 @@ cdef void _attend_task(const Step *s, Py_ssize_t t, const int64_t *starts,
     cdef floating *row_max = acc + task_rows * d
     cdef floating *row_sum = row_max + task_rows
     cdef floating *work = row_sum + task_rows
-    cdef floating *conv = work + _work_size(s)
+    cdef floating *conv = work + _work_size(s, floating is double)
     cdef Py_ssize_t b, g, h0, r, start, k_len, limit, k_begin, k_end, step, kv_off
     cdef Py_ssize_t rows_t = task_rows
     cdef Py_ssize_t q_rs = d if s.heads_as_rows else s.n_in
@@ -360,9 +349,10 @@ cdef void _attend_task(const Step *s, Py_ssize_t t, const int64_t *starts,
             mha_finish_row_f64(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
 
 
-cdef inline Py_ssize_t _work_size(const Step *s) noexcept nogil:
-    """Elements of the fused (or stored-format direct) kernel's work buffer, float32 sizes
-    (a float64 step asks for its own in _task_scratch_size)."""
+cdef inline Py_ssize_t _work_size(const Step *s, bint is_double) noexcept nogil:
+    """Elements of the fused (or stored-format direct) kernel's work buffer."""
+    if is_double:
+        return mha_fused_scratch_f64(<int> s.d)
     cdef Py_ssize_t size = mha_fused_scratch_f32(<int> s.d)
     if s.kv_fmt != 0:
         size = max(size, mha_kv_direct_scratch())
@@ -373,9 +363,7 @@ cdef Py_ssize_t _task_scratch_size(const Step *s, bint is_double) noexcept nogil
     """Elements of one thread's task scratch (_attend_task), rounded up to 64 bytes so that
     the threads' blocks share no cache line."""
     cdef Py_ssize_t task_rows = s.max_group if s.heads_as_rows else s.length
-    cdef Py_ssize_t work = _work_size(s)
-    if is_double:
-        work = max(work, mha_fused_scratch_f64(<int> s.d))
+    cdef Py_ssize_t work = _work_size(s, is_double)
     # a stored format's converted key and value tiles, where the tasks take them
     cdef Py_ssize_t conv = 2 * s.block_k * s.d if s.kv_fmt != 0 and _any_tile_task(s) else 0
     cdef Py_ssize_t size = task_rows * (s.d + 2) + work + conv
@@ -448,7 +436,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef Py_ssize_t n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
     cdef Py_ssize_t t, p, tid
     cdef int status = 0
-    cdef Py_ssize_t tile_rows, in_rows, out_rows, in_cols, out_cols, in_tiles, out_tiles
+    cdef Py_ssize_t in_rows, out_rows, in_cols, out_cols, in_tiles, out_tiles
     cdef Py_ssize_t in_cols_n, out_cols_n
     # the projections' row panels of x (and then ctx); 0: small_gemm reads them in place
     cdef Py_ssize_t pr = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
@@ -464,14 +452,10 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             status = _linear(ctx, rows, n_q, w_out, b_out, out, s.embed)
     else:
         # the general path's tiles (_linear_kernel), each stage after a barrier
-        linear_tile_grid(rows, s.n_in, s.embed, True, LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES,
-                         &tile_rows, &in_cols, panel_min_cols(rows, s.embed, sizeof(floating))
-                         if n_panels else 1)
-        linear_tile_grid(rows, s.embed, n_q, True, LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES,
-                         &tile_rows, &out_cols, panel_min_cols(rows, n_q, sizeof(floating))
-                         if n_panels else 1)
-        in_rows = panel_group_rows(rows, s.embed, sizeof(floating), pr) if n_panels else rows
-        out_rows = panel_group_rows(rows, n_q, sizeof(floating), pr) if n_panels else rows
+        column_tile_grid(rows, s.n_in, s.embed, sizeof(floating), pr if n_panels else 0,
+                         LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, &in_rows, &in_cols)
+        column_tile_grid(rows, s.embed, n_q, sizeof(floating), pr if n_panels else 0,
+                         LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, &out_rows, &out_cols)
         in_cols_n = (s.n_in + in_cols - 1) // in_cols
         out_cols_n = (s.embed + out_cols - 1) // out_cols
         in_tiles = (rows + in_rows - 1) // in_rows * in_cols_n
