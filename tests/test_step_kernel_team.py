@@ -14,7 +14,7 @@ import pytest
 import mha_cy
 from mha_cy import _step_kernel
 from conftest import DTYPES
-from test_step_kernel import ROPES, _attn_masks
+from test_step_kernel import ROPES, _attn_masks, _module
 
 # (embed_dim, num_heads, num_kv_heads, head_dim): GQA with rows for small_gemm (<= 8 tokens)
 # and for the panels, MHA, MQA, and a head dim the direct kernel takes with one row only
@@ -29,13 +29,6 @@ def _general_path():
         yield
     finally:
         _step_kernel._set_max_team_flops(previous)
-
-
-def _module(rng, geometry, dtype, rope=None, window=None):
-    embed, heads, kv_heads, d = geometry
-    return mha_cy.MultiHeadAttention(embed, heads, num_kv_heads=kv_heads, head_dim=d,
-                                     dtype=dtype, seed=int(rng.integers(1 << 30)), rope=rope,
-                                     window=window)
 
 
 def _three_ways(taken, call, n_threads):
@@ -73,7 +66,7 @@ def test_team_self_attention_equals_the_general_path_and_one_thread(
 def test_team_calls_with_masks_equal_the_general_path(rng, taken, dtype, causal):
     """Key padding (padded ends are skipped) and every attn_mask shape, on 3 threads."""
     heads = 8
-    mha = _module(rng, (256, heads, 2, 32), dtype)
+    mha = _module(rng, (256, heads, 2, 32), dtype, None, None)
     batch, length = 3, 24
     x = rng.standard_normal((batch, length, 256)).astype(dtype)
     pad = np.zeros((batch, length), bool)
@@ -99,7 +92,7 @@ def test_team_decode_steps_equal_the_general_path_and_one_thread(rng, taken, fmt
     """A prefill and decode steps of 1 and 3 tokens through a cache in each format: the
     outputs and everything stored, on the team, on the general path and on one thread."""
     dtype = np.float64 if fmt is np.float64 else np.float32
-    mha = _module(rng, geometry, dtype, mha_cy.RoPE())
+    mha = _module(rng, geometry, dtype, mha_cy.RoPE(), None)
     batch = 2
     runs = {}
     for way in ("team", "general", "serial"):
@@ -129,7 +122,7 @@ def test_team_decode_steps_equal_the_general_path_and_one_thread(rng, taken, fmt
 
 
 def test_calls_above_the_team_bound_take_the_general_path(rng, taken):
-    mha = _module(rng, (256, 8, 2, 32), np.float32)
+    mha = _module(rng, (256, 8, 2, 32), np.float32, None, None)
     x = rng.standard_normal((2, 40, 256)).astype(np.float32)
     with mha_cy.threads(2):
         mha(x)
@@ -145,7 +138,7 @@ def test_calls_above_the_team_bound_take_the_general_path(rng, taken):
 def test_team_calls_of_uneven_groups_equal_the_general_path(rng, taken, fmt):
     """A pruned module's uneven GQA groups (K/V heads of 3 and 4 query heads): mha(x) and a
     cached prefill + step on 3 threads, against the general path and one thread."""
-    mha = _module(rng, (512, 8, 2, 64), np.float32).prune_heads([0])
+    mha = _module(rng, (512, 8, 2, 64), np.float32, None, None).prune_heads([0])
     assert mha.num_heads == 7 and mha._kv_index is not None
     x = rng.standard_normal((2, 40, 512)).astype(np.float32)
     team, general, serial = _three_ways(taken, lambda: mha(x, is_causal=True), 3)
