@@ -218,6 +218,19 @@ def test_column_tiles_share_mid_size_products_evenly(shape):
     assert -(-N // cols) >= 8
 
 
+@pytest.mark.parametrize("shape,min_cols", [((32, 384, 1152), 1), ((12, 384, 1152), 1),
+                                            ((128, 768, 2304), 64), ((4, 256, 768), 1),
+                                            ((4, 4096, 6144), 1), ((4096, 768, 2304), 64),
+                                            ((5, 7, 100), 1), ((300, 64, 47), 1)])
+def test_column_tiles_hold_whole_register_blocks(shape, min_cols):
+    """Column tiles of the paths without BLAS are multiples of 48 columns (or all of them), so
+    that no tile ends in a narrow register block of the micro-kernels (6 or 8 weight rows of
+    the panels, 8/6/4/3 of small_gemm), and at least min_cols wide."""
+    M, K, N = shape
+    rows, cols = _linear_kernel.tile_grid(M, N, K, True, min_cols)
+    assert cols == N or (cols % 48 == 0 and cols >= min_cols)
+
+
 def test_linear_rejects_inconsistent_shapes():
     x, w = np.ones((3, 4)), np.ones((5, 4))
     with pytest.raises(ValueError, match="inconsistent shapes"):
