@@ -1,8 +1,9 @@
 /* The micro-kernels of row_panel_gemm.c for one floating type, one per instruction set:
- * included once per type. Defines needed: REAL, SUFFIX, PR (rows per panel) and
+ * included once per type. Defines needed: REAL, SUFFIX, PR (rows per panel),
  * VTYPE(bytes), the name of the vector type of REALs of that many bytes (VTYPE(bytes)_u: its
- * unaligned twin). NB_MAX: weight rows per register block, so that NB_MAX x NV accumulators
- * leave room for the loads in the ISA's registers. */
+ * unaligned twin), and AVX2_NB_HALF (the AVX2 kernel's NB_HALF: 0 where its NV is odd).
+ * NB_MAX: weight rows per register block, so that NB_MAX x NV accumulators leave room for the
+ * loads in the ISA's registers. */
 
 #define MHA_CAT3_(a, b, c) a##b##c
 #define MHA_CAT3(a, b, c) MHA_CAT3_(a, b, c)
@@ -18,6 +19,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #define VEC_U MHA_CAT3(VTYPE(16), _u, )
 #define NV (PR * (int)sizeof(REAL) / 16)
 #define NB_MAX 2          /* 8 of the 16 SSE registers */
+#define NB_HALF 0         /* the baseline computes whole panels */
 #include "row_panel_gemm_impl.h"
 #undef ISA
 #undef ISA_TARGET
@@ -25,6 +27,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #undef VEC_U
 #undef NV
 #undef NB_MAX
+#undef NB_HALF
 
 #ifdef MHA_PANEL_DISPATCH
 #define ISA _avx2
@@ -33,6 +36,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #define VEC_U MHA_CAT3(VTYPE(32), _u, )
 #define NV (PR * (int)sizeof(REAL) / 32)
 #define NB_MAX 6          /* 12 of the 16 AVX2 registers */
+#define NB_HALF AVX2_NB_HALF   /* 12 for float32 (12 of the 16 registers); float64: 0 */
 #include "row_panel_gemm_impl.h"
 #undef ISA
 #undef ISA_TARGET
@@ -40,6 +44,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #undef VEC_U
 #undef NV
 #undef NB_MAX
+#undef NB_HALF
 
 #define ISA _avx512
 #define ISA_TARGET TARGET_AVX512
@@ -47,6 +52,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #define VEC_U MHA_CAT3(VTYPE(64), _u, )
 #define NV (PR * (int)sizeof(REAL) / 64)
 #define NB_MAX 8          /* 8 FMA chains: 2 FMA units x 4 cycles of latency */
+#define NB_HALF 0         /* NV is 1: whole panels */
 #include "row_panel_gemm_impl.h"
 #undef ISA
 #undef ISA_TARGET
@@ -54,6 +60,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #undef VEC_U
 #undef NV
 #undef NB_MAX
+#undef NB_HALF
 #endif
 
 #undef MHA_CAT3

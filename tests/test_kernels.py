@@ -183,6 +183,28 @@ def test_panel_row_groups_change_no_bit(rng, dtype):
         np.testing.assert_array_equal(whole[r0:r0 + rows], part, err_msg=str(r0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tail", [1, 4, 8])
+def test_half_panels_change_no_bit(rng, dtype, tail):
+    """A last panel of at most half its rows runs a half-width micro-kernel (AVX2, float32):
+    its rows equal those of the same rows inside a full panel, bit for bit, with or without a
+    bias, on 1 and 2 threads, and match the float64 product."""
+    K, N = 70, 101
+    x = rng.standard_normal((64, K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    for b in (None, rng.standard_normal(N).astype(dtype)):
+        full = np.empty((64, N), dtype)
+        linear(x, w, b, full, 1)
+        for m in (16 + tail, 48 + tail):            # the rows past m - tail: a half panel
+            for threads in (1, 2):
+                part = np.empty((m, N), dtype)
+                linear(np.ascontiguousarray(x[:m]), w, b, part, threads)
+                np.testing.assert_array_equal(part, full[:m], err_msg=f"{m} rows, {threads}")
+        expected = x.astype(np.float64) @ w.T.astype(np.float64) + (0 if b is None else b)
+        np.testing.assert_allclose(full, expected, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                                   atol=1e-4 if dtype == np.float32 else 1e-12)
+
+
 def test_linear_heads_rejects_inconsistent_shapes():
     x, w = np.ones((6, 4)), np.ones((8, 4))
     for out in (np.empty((2, 2, 2, 4)), np.empty((2, 4, 3, 4)), np.empty((2, 2, 3, 2))):
