@@ -33,25 +33,21 @@ MHA_VECTOR_TYPES(double, 64, mha_f64_v64);
 #define SUFFIX f32
 #define PR MHA_PANEL_ROWS_F32
 #define VTYPE(bytes) mha_f32_v##bytes
-#define AVX2_NB_HALF 12   /* NV 2: half panels of one vector */
 #include "row_panel_gemm_isas.h"
 #undef REAL
 #undef SUFFIX
 #undef PR
 #undef VTYPE
-#undef AVX2_NB_HALF
 
 #define REAL double
 #define SUFFIX f64
 #define PR MHA_PANEL_ROWS_F64
 #define VTYPE(bytes) mha_f64_v##bytes
-#define AVX2_NB_HALF 0    /* NV 1 */
 #include "row_panel_gemm_isas.h"
 #undef REAL
 #undef SUFFIX
 #undef PR
 #undef VTYPE
-#undef AVX2_NB_HALF
 
 /* ---- packing and dispatch, per type ---- */
 #define DEFINE_PACK_AND_DISPATCH(REAL, SUFFIX, PR)                                            \

@@ -7,9 +7,10 @@
  * the weight is read in place, in its nn.Linear layout (n rows of k), so there is no packed
  * copy of it to go stale when the user edits the weights. The micro-kernel holds a block of
  * 6 weight rows x one panel in registers: per k it broadcasts 6 weight values and multiplies
- * them by the panel's row of x (one vector of 16 floats on AVX-512, two on AVX2). A last
- * panel of at most 8 rows (AVX2, float32) runs a half-width kernel instead, one vector against
- * 12 weight rows: the padding rows of a whole panel cost as much as real ones.
+ * them by the panel's row of x (one vector of 16 floats on AVX-512, two on AVX2). On AVX2 a
+ * last panel of at most half its rows (8 floats, 4 doubles) runs a half-width kernel instead,
+ * one vector against 12 weight rows: the padding rows of a whole panel cost as much as real
+ * ones.
  * Each output is one chain of FMAs over k in order: the result does not depend on how the
  * columns are split among threads.
  *

@@ -1,7 +1,7 @@
 /* The micro-kernels of row_panel_gemm.c for one floating type, one per instruction set:
  * included once per type. Defines needed: REAL, SUFFIX, PR (rows per panel),
  * VTYPE(bytes), the name of the vector type of REALs of that many bytes (VTYPE(bytes)_u: its
- * unaligned twin), and AVX2_NB_HALF (the AVX2 kernel's NB_HALF: 0 where its NV is odd).
+ * unaligned twin).
  * NB_MAX: weight rows per register block, so that NB_MAX x NV accumulators leave room for the
  * loads in the ISA's registers. */
 
@@ -36,7 +36,7 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
 #define VEC_U MHA_CAT3(VTYPE(32), _u, )
 #define NV (PR * (int)sizeof(REAL) / 32)
 #define NB_MAX 6          /* 12 of the 16 AVX2 registers */
-#define NB_HALF AVX2_NB_HALF   /* 12 for float32 (12 of the 16 registers); float64: 0 */
+#define NB_HALF 12        /* 12 of the 16 AVX2 registers (NV is 2 for both types) */
 #include "row_panel_gemm_impl.h"
 #undef ISA
 #undef ISA_TARGET
