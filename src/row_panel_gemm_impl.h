@@ -11,19 +11,25 @@
 #define FN(name) MHA_CAT(MHA_CAT(name, SUFFIX), ISA)
 
 
-/* out[i0 + r, j + b] for r < rows, b < NB: one panel of x against NB weight rows. NB is a
- * constant at every call (always_inline + the switch below), so gcc keeps the NB x NV
- * accumulators in registers: the vector types are each ISA's register width (one vector
- * type as wide as a panel row, split by gcc into two or four registers, went through the
- * stack: 6 GFLOP/s against 30). */
+/* out[i0 + r, j + b] for r < rows, b < NB: one panel of x against NB weight rows, the first
+ * NVR vectors of each panel row (NV: the whole panel; NV / 2: a half panel, whose other rows
+ * are padding). NB and NVR are constants at every call (always_inline + the switches below),
+ * so gcc keeps the NB x NVR accumulators in registers: the vector types are each ISA's
+ * register width (one vector type as wide as a panel row, split by gcc into two or four
+ * registers, went through the stack: 6 GFLOP/s against 30). Each output is one chain of FMAs
+ * over k, the same in a half panel as in a full one.
+ * Half panels (NB_HALF > 0, AVX2): a last panel of at most 8 rows (float32) took the time of
+ * 16: 17 rows of 384 -> 1152 ran at 54 GFLOP/s where 16 ran at 99 (Zen 2, one thread). 8 rows
+ * x 12 weight rows: 72% of the FMA peak against 82% for 16 x 6 (a loop from L1, same run).
+ * float64 (4 rows a vector) takes the same path. */
 static inline __attribute__((always_inline)) ISA_TARGET void
 FN(block_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdiff_t ldw,
            const REAL *bias, REAL *out, ptrdiff_t ldo, const ptrdiff_t *row_off, ptrdiff_t j,
-           const int NB)
+           const int NB, const int NVR)
 {
-    VEC acc[8][NV];
+    VEC acc[12][NV];
     for (int b = 0; b < NB; b++)
-        for (int v = 0; v < NV; v++)
+        for (int v = 0; v < NVR; v++)
             acc[b][v] = (VEC){0};
     const REAL *wj = w + j * ldw;
     for (ptrdiff_t p = 0; p < k; p++) {
@@ -31,59 +37,23 @@ FN(block_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdif
                                memcpy to a local went through the stack, stalling the loads */
         for (int b = 0; b < NB; b++) {
             REAL wv = wj[b * ldw + p];
-            for (int v = 0; v < NV; v++)
+            for (int v = 0; v < NVR; v++)
                 acc[b][v] += wv * xp[v];
         }
     }
     for (int b = 0; b < NB; b++) {
         REAL add = bias != NULL ? bias[j + b] : 0;
         VEC sums[NV];
-        for (int v = 0; v < NV; v++)
+        for (int v = 0; v < NVR; v++)
             sums[v] = acc[b][v] + add;
         REAL lanes[PR];
-        memcpy(lanes, sums, sizeof lanes);
+        memcpy(lanes, sums, NVR * sizeof(VEC));
         for (ptrdiff_t r = 0; r < rows; r++)
             out[(row_off != NULL ? row_off[r] : r * ldo) + j + b] = lanes[r];
     }
 }
 
 #if NB_HALF > 0
-/* block_ for the first PR / 2 rows of a panel only (the rest is padding): NV / 2 vectors a
- * row, up to NB_HALF weight rows a block. Each output is the same chain of FMAs as in block_,
- * so a row gets the same bits in a half panel as in a full one. A last panel of at most 8
- * rows (AVX2, float32) took the time of 16: 17 rows of 384 -> 1152 ran at 54 GFLOP/s where
- * 16 ran at 99 (Zen 2, one thread). 8 rows x 12 weight rows: 72% of the FMA peak against 82%
- * for 16 x 6 (a loop from L1, same run). float64 (4 rows a vector) takes the same path. */
-static inline __attribute__((always_inline)) ISA_TARGET void
-FN(half_block_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdiff_t ldw,
-                const REAL *bias, REAL *out, ptrdiff_t ldo, const ptrdiff_t *row_off,
-                ptrdiff_t j, const int NB)
-{
-    VEC acc[12][NV / 2];
-    for (int b = 0; b < NB; b++)
-        for (int v = 0; v < NV / 2; v++)
-            acc[b][v] = (VEC){0};
-    const REAL *wj = w + j * ldw;
-    for (ptrdiff_t p = 0; p < k; p++) {
-        const VEC_U *xp = (const VEC_U *)(panel + p * PR);
-        for (int b = 0; b < NB; b++) {
-            REAL wv = wj[b * ldw + p];
-            for (int v = 0; v < NV / 2; v++)
-                acc[b][v] += wv * xp[v];
-        }
-    }
-    for (int b = 0; b < NB; b++) {
-        REAL add = bias != NULL ? bias[j + b] : 0;
-        VEC sums[NV / 2];
-        for (int v = 0; v < NV / 2; v++)
-            sums[v] = acc[b][v] + add;
-        REAL lanes[PR / 2];
-        memcpy(lanes, sums, sizeof lanes);
-        for (ptrdiff_t r = 0; r < rows; r++)
-            out[(row_off != NULL ? row_off[r] : r * ldo) + j + b] = lanes[r];
-    }
-}
-
 /* Columns [j0, j1) of a panel of at most PR / 2 rows, in half blocks. */
 static ISA_TARGET void
 FN(half_panel_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdiff_t ldw,
@@ -92,11 +62,11 @@ FN(half_panel_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, p
 {
     ptrdiff_t j = j0;
     for (; j + NB_HALF <= j1; j += NB_HALF)
-        FN(half_block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, NB_HALF);
+        FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, NB_HALF, NV / 2);
     for (; j + 4 <= j1; j += 4)
-        FN(half_block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 4);
+        FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 4, NV / 2);
     for (; j < j1; j++)
-        FN(half_block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 1);
+        FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 1, NV / 2);
 }
 #endif
 
@@ -118,15 +88,15 @@ FN(row_panel_gemm_)(const REAL *packed, ptrdiff_t m, ptrdiff_t k, const REAL *w,
 #endif
         ptrdiff_t j = j0;
         for (; j + NB_MAX <= j1; j += NB_MAX)
-            FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, NB_MAX);
+            FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, NB_MAX, NV);
         switch (j1 - j) {           /* the last < NB_MAX weight rows */
-        case 7: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 7); break;
-        case 6: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 6); break;
-        case 5: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 5); break;
-        case 4: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 4); break;
-        case 3: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 3); break;
-        case 2: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 2); break;
-        case 1: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 1); break;
+        case 7: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 7, NV); break;
+        case 6: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 6, NV); break;
+        case 5: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 5, NV); break;
+        case 4: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 4, NV); break;
+        case 3: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 3, NV); break;
+        case 2: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 2, NV); break;
+        case 1: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 1, NV); break;
         default: break;
         }
     }
