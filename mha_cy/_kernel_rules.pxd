@@ -69,6 +69,13 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return (a + b - 1) // b * b
 
 
+cdef inline Py_ssize_t column_block_width(Py_ssize_t cols, Py_ssize_t min_cols) noexcept nogil:
+    """A column block of the paths without BLAS about cols wide: the nearest multiple of
+    COLUMN_BLOCK_ALIGN (rounding up could nearly halve the tiles), at least min_cols."""
+    return max(_round_up(max(<Py_ssize_t> 1, min_cols), COLUMN_BLOCK_ALIGN),
+               (cols + COLUMN_BLOCK_ALIGN // 2) // COLUMN_BLOCK_ALIGN * COLUMN_BLOCK_ALIGN)
+
+
 cdef inline void linear_tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint column_blocks,
                                   double min_tile_flops, Py_ssize_t max_tiles,
                                   Py_ssize_t *tile_rows, Py_ssize_t *tile_cols,
@@ -89,12 +96,12 @@ cdef inline void linear_tile_grid(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, bint
     col_tiles = min(col_tiles, max(1, N // max(1, min_cols)))     # tiles of >= min_cols columns
     tile_rows[0] = min(M, _round_up((M + row_tiles - 1) // row_tiles, ROW_ALIGN), MAX_TILE_EDGE)
     cdef Py_ssize_t cols = (N + col_tiles - 1) // col_tiles
-    if column_blocks:       # the nearest multiple (rounding up could nearly halve the tiles)
-        cols = max(_round_up(min_cols, COLUMN_BLOCK_ALIGN),
-                   (cols + COLUMN_BLOCK_ALIGN // 2) // COLUMN_BLOCK_ALIGN * COLUMN_BLOCK_ALIGN)
+    if column_blocks:
+        cols = column_block_width(cols, min_cols)
     else:
         cols = _round_up(cols, COL_ALIGN)
     tile_cols[0] = min(N, cols, MAX_TILE_EDGE)
+
 
 
 cdef inline Py_ssize_t panel_min_cols(Py_ssize_t M, Py_ssize_t K, Py_ssize_t itemsize) noexcept nogil:

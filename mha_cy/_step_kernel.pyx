@@ -76,8 +76,8 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL
                           mha_kv_encode_f16_f32, mha_kv_encode_i8_f32)
 from ._kernel_rules cimport (ATTN_BLOCK_Q, ATTN_BLOCK_K, PANEL_TILE_WEIGHT_BYTES,
                              LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, column_tile_grid,
-                             panel_group_rows, attention_flops, direct_rows,
-                             largest_group, skip_end_padding, split_k_parts)
+                             panel_group_rows, column_block_width, attention_flops,
+                             direct_rows, largest_group, skip_end_padding, split_k_parts)
 
 cnp.import_array()
 
@@ -150,10 +150,9 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
     else:
         mha_pack_row_panels_f64(x, k, m, k, packed)
     # row groups that stay in L2 with column blocks whose weight rows do too (as the general
-    # path's tiles: PANEL_X_GROUP_BYTES, PANEL_TILE_WEIGHT_BYTES); the blocks do not change
-    # any output's sum
-    cdef Py_ssize_t cols = max(<Py_ssize_t> 16,
-                               PANEL_TILE_WEIGHT_BYTES // (k * sizeof(floating)))
+    # path's tiles: PANEL_X_GROUP_BYTES, PANEL_TILE_WEIGHT_BYTES), whole register blocks wide
+    # (column_block_width); the blocks do not change any output's sum
+    cdef Py_ssize_t cols = column_block_width(PANEL_TILE_WEIGHT_BYTES // (k * sizeof(floating)), 1)
     cdef Py_ssize_t group = panel_group_rows(
         m, k, sizeof(floating), MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64)
     cdef Py_ssize_t r0 = 0, j0

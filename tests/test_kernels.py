@@ -186,7 +186,7 @@ def test_panel_row_groups_change_no_bit(rng, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tail", [1, 4, 8])
 def test_half_panels_change_no_bit(rng, dtype, tail):
-    """A last panel of at most half its rows runs a half-width micro-kernel (AVX2, float32):
+    """A last panel of at most half its rows runs a half-width micro-kernel (AVX2):
     its rows equal those of the same rows inside a full panel, bit for bit, with or without a
     bias, on 1 and 2 threads, and match the float64 product."""
     K, N = 70, 101
@@ -243,14 +243,32 @@ def test_column_tiles_share_mid_size_products_evenly(shape):
 @pytest.mark.parametrize("shape,min_cols", [((32, 384, 1152), 1), ((12, 384, 1152), 1),
                                             ((128, 768, 2304), 64), ((4, 256, 768), 1),
                                             ((4, 4096, 6144), 1), ((4096, 768, 2304), 64),
-                                            ((5, 7, 100), 1), ((300, 64, 47), 1)])
+                                            ((5, 7, 100), 1), ((300, 64, 47), 1),
+                                            ((16, 50000, 20), 0)])
 def test_column_tiles_hold_whole_register_blocks(shape, min_cols):
     """Column tiles of the paths without BLAS are multiples of 48 columns (or all of them), so
     that no tile ends in a narrow register block of the micro-kernels (6 or 8 weight rows of
-    the panels, 8/6/4/3 of small_gemm), and at least min_cols wide."""
+    the panels, 8/6/4/3 of small_gemm), and at least min_cols wide. min_cols is 0 for the
+    panels when a weight row alone outgrows PANEL_TILE_WEIGHT_BYTES: never a tile of 0."""
     M, K, N = shape
     rows, cols = _linear_kernel.tile_grid(M, N, K, True, min_cols)
-    assert cols == N or (cols % 48 == 0 and cols >= min_cols)
+    assert 1 <= cols and (cols == N or (cols % 48 == 0 and cols >= min_cols))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_with_rows_wider_than_a_panel_tile(rng, dtype):
+    """K so large that one weight row outgrows PANEL_TILE_WEIGHT_BYTES (the panels' min_cols
+    is 0) and few output columns: the column tiles stay at least one column wide (rounded to
+    0 they once divided by zero)."""
+    M, K, N = 16, 50000, 20
+    x = rng.standard_normal((M, K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    for threads in (1, 2):
+        out = np.empty((M, N), dtype)
+        linear(x, w, None, out, threads)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64),
+                                   rtol=1e-4 if dtype == np.float32 else 1e-12,
+                                   atol=1e-2 if dtype == np.float32 else 1e-10)
 
 
 def test_linear_rejects_inconsistent_shapes():
