@@ -23,6 +23,18 @@
 typedef REAL VEC __attribute__((vector_size(W * sizeof(REAL)), aligned(sizeof(REAL)),
                                 may_alias));
 
+/* The products' vectors (Q K^T of the packed kernel, P V of both): the widest of the SIMD
+ * level (simd_isas.h); every lane is its own sum, so the width changes no bit. Half the
+ * instructions at AVX-512: the same speed on Zen 4, which splits a 512-bit operation in two
+ * (one thread, L = 128, D = 64, 12 heads: 690-860 us either way, host noise), for the cores
+ * that run it whole (Zen 5, Intel). The exp stays 256-bit: 512-bit measured 3-10% slower
+ * on Zen 4 (its compares become mask registers, expanded again to vectors). */
+#define WP (MHA_ISA_WIDE_BYTES / (int)sizeof(REAL))
+#define KSTEP (2 * WP)  /* keys per register block of the packed scores */
+typedef REAL FN(vecp_) __attribute__((vector_size(WP * sizeof(REAL)), aligned(sizeof(REAL)),
+                                      may_alias));
+#define VECP FN(vecp_)
+
 ptrdiff_t FN(mha_fused_scratch_)(int d)
 {
     /* the packed tile and the scores; the direct kernel needs only the scores */
@@ -46,10 +58,10 @@ static inline void FN(pack_keys_)(const REAL *k, ptrdiff_t k_rs, int d, int nk, 
  * of b per t serving M rows (pv_panel_ is the same loop for P V, with NV vectors a row). */
 static inline __attribute__((always_inline)) void
 FN(outer_block_)(const int M, const REAL *x, ptrdiff_t x_rs, const REAL *b, ptrdiff_t b_rs,
-                 ptrdiff_t n, VEC *a0, VEC *a1)
+                 ptrdiff_t n, VECP *a0, VECP *a1)
 {
     for (ptrdiff_t t = 0; t < n; t++) {
-        VEC b0 = *(const VEC *)(b + t * b_rs), b1 = *(const VEC *)(b + t * b_rs + W);
+        VECP b0 = *(const VECP *)(b + t * b_rs), b1 = *(const VECP *)(b + t * b_rs + WP);
         for (int i = 0; i < M; i++) {
             REAL xi = x[i * x_rs + t];
             a0[i] += xi * b0;
@@ -58,19 +70,19 @@ FN(outer_block_)(const int M, const REAL *x, ptrdiff_t x_rs, const REAL *b, ptrd
     }
 }
 
-/* s[i * NK + c] = scale * q_i . k_c for i < M, c < nkp, VL keys at a time. */
+/* s[i * NK + c] = scale * q_i . k_c for i < M, c < nkp, KSTEP keys at a time. */
 static inline __attribute__((always_inline)) void
 FN(scores_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *kt, int nkp,
                   REAL scale, REAL *s)
 {
-    for (ptrdiff_t c = 0; c < nkp; c += VL) {
-        VEC a0[RB], a1[RB];
+    for (ptrdiff_t c = 0; c < nkp; c += KSTEP) {
+        VECP a0[RB], a1[RB];
         for (int i = 0; i < M; i++)
-            a0[i] = a1[i] = (VEC){0};
+            a0[i] = a1[i] = (VECP){0};
         FN(outer_block_)(M, q, q_rs, kt + c, NK, d, a0, a1);
         for (int i = 0; i < M; i++) {
-            *(VEC *)(s + i * NK + c) = scale * a0[i];
-            *(VEC *)(s + i * NK + c + W) = scale * a1[i];
+            *(VECP *)(s + i * NK + c) = scale * a0[i];
+            *(VECP *)(s + i * NK + c + WP) = scale * a1[i];
         }
     }
 }
@@ -91,7 +103,7 @@ static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t
         }
 }
 
-/* acc[i * dv + e0 + (0 .. NV * W)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
+/* acc[i * dv + e0 + (0 .. NV * WP)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
  * i < M, in registers over every key (V finite: a hidden key's -0.0 adds nothing): M x NV
  * vectors of sums. The direct kernel takes NV = 8 / M (eight independent FMA chains, as many
  * as two FMA units of latency 4 need; with two vectors a row, a one-row task had two), the
@@ -105,14 +117,14 @@ static inline __attribute__((always_inline)) void
 FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
               REAL *acc, int dv, ptrdiff_t e0, const int check)
 {
-    VEC a[2 * RB];
+    VECP a[2 * RB];
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
-            a[i * NV + c] = *(VEC *)(acc + i * dv + e0 + c * W);
+            a[i * NV + c] = *(VECP *)(acc + i * dv + e0 + c * WP);
     for (ptrdiff_t t = 0; t < n; t++) {
-        VEC b[8];
+        VECP b[8];
         for (int c = 0; c < NV; c++)
-            b[c] = *(const VEC *)(v + t * v_rs + e0 + c * W);
+            b[c] = *(const VECP *)(v + t * v_rs + e0 + c * WP);
         for (int i = 0; i < M; i++) {
             REAL x = s[i * NK + t];
             for (int c = 0; c < NV; c++)
@@ -121,19 +133,19 @@ FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, pt
     }
     int non_finite = 0;
     if (check) {
-        VEC bad = (VEC){0};
+        VECP bad = (VECP){0};
         for (int u = 0; u < M * NV; u++)
             bad += a[u] * 0;
-        for (int u = 0; u < W; u++)
+        for (int u = 0; u < WP; u++)
             non_finite |= bad[u] != bad[u];
     }
     if (__builtin_expect(non_finite, 0)) {
-        FN(pv_exact_)(M, s, n, v, v_rs, acc, dv, e0, e0 + NV * W);
+        FN(pv_exact_)(M, s, n, v, v_rs, acc, dv, e0, e0 + NV * WP);
         return;
     }
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
-            *(VEC *)(acc + i * dv + e0 + c * W) = a[i * NV + c];
+            *(VECP *)(acc + i * dv + e0 + c * WP) = a[i * NV + c];
 }
 
 /* The masks and the online softmax of each of the M rows against the keys [j0, j0 + nk)
@@ -170,8 +182,12 @@ FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
                       m, l, acc);
     const REAL *vt = v + j0 * v_rs;
     ptrdiff_t e = 0;
-    for (; v_finite && e + VL <= dv; e += VL)
+    for (; v_finite && e + 2 * WP <= dv; e += 2 * WP)
         FN(pv_panel_)(M, 2, s, nk, vt, v_rs, acc, dv, e, 0);
+    if (v_finite && e + WP <= dv) {
+        FN(pv_panel_)(M, 1, s, nk, vt, v_rs, acc, dv, e, 0);
+        e += WP;
+    }
     if (e < dv)
         FN(pv_exact_)(M, s, nk, vt, v_rs, acc, dv, e, dv);
 }
@@ -225,7 +241,7 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
     REAL *kt = work, *s = work + (ptrdiff_t)(d > 0 ? d : 1) * NK;
     for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK) {
         int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
-        int nkp = (nk + VL - 1) / VL * VL;
+        int nkp = (nk + KSTEP - 1) / KSTEP * KSTEP;
         FN(pack_keys_)(k + j0 * k_rs, k_rs, d, nk, nkp, kt);
         int v_finite = FN(all_finite_)(v + j0 * v_rs, v_rs, nk, dv);
         for (ptrdiff_t r = 0; r < rows; r += RB) {
@@ -368,20 +384,20 @@ FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs
 {
     const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
     ptrdiff_t e = 0;
-    for (; e + NV * W <= dv; e += NV * W)
+    for (; e + NV * WP <= dv; e += NV * WP)
         FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1);
     /* the columns left, in narrower panels (each as many chains as it can have) */
-    if (NV > 4 && e + 4 * W <= dv) {
+    if (NV > 4 && e + 4 * WP <= dv) {
         FN(pv_panel_)(M, 4, s, nk, v, v_rs, acc, dv, e, 1);
-        e += 4 * W;
+        e += 4 * WP;
     }
-    if (NV > 2 && e + 2 * W <= dv) {
+    if (NV > 2 && e + 2 * WP <= dv) {
         FN(pv_panel_)(M, 2, s, nk, v, v_rs, acc, dv, e, 1);
-        e += 2 * W;
+        e += 2 * WP;
     }
-    if (e + W <= dv) {
+    if (e + WP <= dv) {
         FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e, 1);
-        e += W;
+        e += WP;
     }
     if (e < dv)
         FN(pv_exact_)(M, s, nk, v, v_rs, acc, dv, e, dv);
@@ -441,6 +457,9 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 
 #undef DBLOCK
 #undef VEC
+#undef VECP
+#undef WP
+#undef KSTEP
 #undef W
 #undef LANES_CHECK
 #undef NK
