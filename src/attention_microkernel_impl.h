@@ -308,13 +308,19 @@ static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
 #error "the direct kernel's reduction is written for vectors of 4 or 8 lanes"
 #endif
 
-/* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
+/* Prefetch the n values at x into L2 (prefetcht1), not L1: an L1 prefetch holds one of L1's
+ * few miss buffers until the line arrives, which capped a thread's stream from DRAM. Zen 4,
+ * decode_dram's shapes (64 MiB caches, rotated): 2 threads 18.9 -> 30-32 GB/s, one thread
+ * 9.8 -> 16.0 (np.max: 29 and 25); prefetching two or more tiles ahead, or into every level
+ * (prefetcht2), measured slower. */
 static inline __attribute__((always_inline)) void FN(prefetch_row_)(const REAL *x, int n)
 {
     for (ptrdiff_t e = 0; e < n; e += 64 / (ptrdiff_t)sizeof(REAL))
-        __builtin_prefetch(x + e);
-    __builtin_prefetch(x + n - 1);
+        __builtin_prefetch(x + e, 0, 2);
+    __builtin_prefetch(x + n - 1, 0, 2);
 }
+
+/* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
 
 /* s[i * NK + u] = t[i * KB + u] for i < R, u < left: a row's KB sums in one store of a
  * full block (a lane at a time cost about 25 instructions a key at R = 4). */
@@ -330,9 +336,9 @@ FN(store_block_)(const int R, const int KB, VEC t, REAL *s, int left)
                 s[i * NK + u] = t[i * KB + u];
 }
 
-/* Also, with pf_v != NULL, prefetch the V rows of the tile (pf_v + c * v_rs, dv values) and
- * the K rows of the next one (the first nk_next rows from k + NK * k_rs): the memory is
- * streamed once, and latency, not bandwidth, limited one thread without it. */
+/* Also, with pf_v != NULL, prefetch the K and V rows of the next tile (its first nk_next rows:
+ * from k + NK * k_rs and pf_v + NK * v_rs): the memory is streamed once, and latency, not
+ * bandwidth, limited one thread without it. */
 static inline __attribute__((always_inline)) void
 FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                    ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
@@ -345,10 +351,9 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
         if (pf_v != NULL)
-            for (int u = 0; u < KB && c + u < nk; u++) {
-                FN(prefetch_row_)(pf_v + (c + u) * v_rs, dv);
-                if (c + u < nk_next)
-                    FN(prefetch_row_)(k + (NK + c + u) * k_rs, d);
+            for (int u = 0; u < KB && c + u < nk_next; u++) {
+                FN(prefetch_row_)(pf_v + (NK + c + u) * v_rs, dv);
+                FN(prefetch_row_)(k + (NK + c + u) * k_rs, d);
             }
         VEC a[W];
         for (int i = 0; i < W; i++)

@@ -96,12 +96,13 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
          + __builtin_shuffle(f, g, (FN(kvmask_)){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
+/* Into L2 (prefetcht1), as attention_microkernel_impl.h's prefetch_row_ does, and why. */
 static inline __attribute__((always_inline)) void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
 {
 #pragma GCC unroll 4
     for (ptrdiff_t e = 0; e < bytes; e += 64)
-        __builtin_prefetch(x + e);
-    __builtin_prefetch(x + bytes - 1);
+        __builtin_prefetch(x + e, 0, 2);
+    __builtin_prefetch(x + bytes - 1, 0, 2);
 }
 
 /* s[i * NK + u] = t[i * KB + u] for i < R, u < left: a row's KB sums in one store of a
@@ -131,8 +132,8 @@ FN(kv_times_)(float *s, const float *ks, float scale, int n)
 
 /* s[i * NK + c] = scale * s_k[c] * (q_i . k_c) for i < R, c < nk: blocks of R rows x KB = W / R
  * keys, whose W vectors of partial sums one shuffle tree reduces (each K row is loaded, and
- * converted, once per block of rows). With pf_v: prefetch the tile's V rows and the next
- * tile's K rows (esz: bytes per stored value). */
+ * converted, once per block of rows). With pf_v: prefetch the next tile's K and V rows (its
+ * first nk_next; pf_v: this tile's V; esz: bytes per stored value). */
 static inline __attribute__((always_inline)) void
 FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d,
                const void *k, ptrdiff_t k_rs, const float *ks, int nk, float scale, float *s,
@@ -146,24 +147,23 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = (c + u < nk ? c + u : c) * k_rs;
         if (pf_v != NULL) {
-            const char *pv = (const char *)pf_v + c * v_rs * esz;
+            const char *pv = (const char *)pf_v + (NK + c) * v_rs * esz;
             const char *pk = (const char *)k + (NK + c) * k_rs * esz;
-            if (v_rs == dv && k_rs == d && dv == d && c + KB <= nk && c + KB <= nk_next) {
-                /* contiguous rows: the block's V rows and the next tile's K rows as two
-                 * spans, a line of each in turn (the per-row loops cost about 35
-                 * instructions a key for int8 rows of two lines) */
+            if (v_rs == dv && k_rs == d && dv == d && c + KB <= nk_next) {
+                /* contiguous rows: the next tile's V and K rows of the block as two spans, a
+                 * line of each in turn (the per-row loops cost about 35 instructions a key
+                 * for int8 rows of two lines) */
                 const ptrdiff_t span = KB * d * esz;
                 for (ptrdiff_t e = 0; e < span; e += 64) {
-                    __builtin_prefetch(pv + e);
-                    __builtin_prefetch(pk + e);
+                    __builtin_prefetch(pv + e, 0, 2);
+                    __builtin_prefetch(pk + e, 0, 2);
                 }
-                __builtin_prefetch(pv + span - 1);
-                __builtin_prefetch(pk + span - 1);
+                __builtin_prefetch(pv + span - 1, 0, 2);
+                __builtin_prefetch(pk + span - 1, 0, 2);
             } else
-                for (int u = 0; u < KB && c + u < nk; u++) {
+                for (int u = 0; u < KB && c + u < nk_next; u++) {
                     FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
-                    if (c + u < nk_next)
-                        FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
+                    FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
                 }
         }
         VEC a[W];
