@@ -12,8 +12,8 @@
  * path (the same mask and NaN semantics). */
 #define RB 6           /* query rows per register block of the packed kernel: 6 x 2 vectors of
                           sums, 12 of the 16 ymm registers on AVX2 */
-#define DRB 4          /* query rows per block of the direct kernel (at most the lanes of a
-                          256-bit vector of doubles) */
+#define DRB_WIDE 8     /* the most query rows per block of the direct kernel (its DRB: 8 at
+                          AVX-512, 4 below) */
 
 #define MHA_IMPL "attention_microkernel_impl.h"
 

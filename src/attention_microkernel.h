@@ -59,7 +59,8 @@
  * float32 within the noise. Tasks of 8 rows as one block (8 rows x 1 key per score block)
  * measured no faster than two blocks of 4 beyond L3 and were not kept; they made gcc drop
  * the prefetches (a prefetch helper it did not inline has no side effect), hence the
- * always_inline on those helpers.
+ * always_inline on those helpers. With AVX-512's 32 registers, 8 rows are one block of
+ * 8 rows x 2 keys (16 sums): attention_microkernel_impl.h's DRB, with its figures.
  */
 #ifndef MHA_ATTENTION_MICROKERNEL_H
 #define MHA_ATTENTION_MICROKERNEL_H

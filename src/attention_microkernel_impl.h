@@ -1,7 +1,7 @@
 /* Body of attention_microkernel.c for one floating type: included with REAL = float and with
  * REAL = double, once per SIMD level (simd_isas.h). Defines needed: REAL, SUFFIX, VL (lanes of
- * a 512-bit vector), RB. The rows' online softmax is attention_tile.h's copy of this SIMD level
- * (FN(mha_online_softmax_row_)), called without the run-time dispatch.
+ * a 512-bit vector), RB, DRB_WIDE. The rows' online softmax is attention_tile.h's copy of
+ * this SIMD level (FN(mha_online_softmax_row_)), called without the run-time dispatch.
  * The register blocks are GNU C vectors, which gcc lowers at every SIMD level of
  * simd_isas.h; the block functions are always_inline with a constant row count so the
  * M x 2 vectors of sums stay in registers. Plain lane loops (as in small_gemm_impl.h) did not
@@ -17,6 +17,21 @@
 
 #define W (VL / 2)     /* lanes of a 256-bit vector: a block's sums are 2 vectors per row */
 #define LANES_CHECK VL
+
+/* The direct kernel's blocks: up to DRB query rows, up to DSUMS vectors of score sums. With
+ * AVX-512's 32 vector registers, 8 rows (an MQA group) are one block of 8 rows x 2 keys: each
+ * K and V row is read once, not once per 4 rows, and a block loads 10 vectors per 16 FMAs.
+ * Zen 4, 1 thread, (1, 8, 1, 128) over 4096 cached keys: 79-90 -> 63-69 ns a key. Blocks of
+ * 4 rows x 4 keys were faster in cache too (44-49 -> 38-42 ns a key) but slower from DRAM
+ * (decode_dram's shapes, 2 threads: 2.3-2.7 -> 2.9-3.3 ms), also with their prefetches spread
+ * over the dot products: 4 rows keep 2 keys a block. */
+#if MHA_ISA_WIDE_BYTES == 64
+#define DSUMS (2 * W)
+#define DRB 8
+#else
+#define DSUMS W
+#define DRB 4
+#endif
 
 /* 256 bits, the widest vector gcc lowers well at every level (512-bit ones went through the
  * integer registers on AVX2); unaligned, and allowed to alias REAL */
@@ -38,7 +53,7 @@ typedef REAL FN(vecp_) __attribute__((vector_size(WP * sizeof(REAL)), aligned(si
 ptrdiff_t FN(mha_fused_scratch_)(int d)
 {
     /* the packed tile and the scores; the direct kernel needs only the scores */
-    return (ptrdiff_t)(d > 0 ? d : 1) * NK + RB * NK;
+    return (ptrdiff_t)(d > 0 ? d : 1) * NK + (RB > DRB_WIDE ? RB : DRB_WIDE) * NK;
 }
 
 /* shuffle masks of VEC (lane indices, of the same width as REAL) */
@@ -172,7 +187,7 @@ static inline __attribute__((always_inline)) void
 FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
               REAL *acc, int dv, ptrdiff_t e0, const int check)
 {
-    VECP a[2 * RB];
+    VECP a[2 * RB > 2 * DRB_WIDE ? 2 * RB : 2 * DRB_WIDE];
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
             a[i * NV + c] = *(VECP *)(acc + i * dv + e0 + c * WP);
@@ -373,18 +388,20 @@ static inline __attribute__((always_inline)) void FN(prefetch_row_)(const REAL *
     __builtin_prefetch(x + n - 1, 0, 2);
 }
 
-/* s[i * NK + u] = t[i * KB + u] for i < R, u < left: a row's KB sums in one store of a
- * full block (a lane at a time cost about 25 instructions a key at R = 4). */
+/* s[i * NK + u] = t[i * KB + u] for i < R, u < left (t: the block's DSUMS sums, as DSUMS / W
+ * vectors): a row's KB sums in one store of a full block (a lane at a time cost about 25
+ * instructions a key at R = 4). */
 static inline __attribute__((always_inline)) void
-FN(store_block_)(const int R, const int KB, VEC t, REAL *s, int left)
+FN(store_block_)(const int R, const int KB, const VEC *t, REAL *s, int left)
 {
+    const REAL *tl = (const REAL *)t;
     if (left == KB)
         for (int i = 0; i < R; i++)
-            memcpy(s + i * NK, (const REAL *)&t + i * KB, KB * sizeof(REAL));
+            memcpy(s + i * NK, tl + i * KB, KB * sizeof(REAL));
     else
         for (int i = 0; i < R; i++)
             for (int u = 0; u < left; u++)
-                s[i * NK + u] = t[i * KB + u];
+                s[i * NK + u] = tl[i * KB + u];
 }
 
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. Also,
@@ -396,7 +413,7 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
                    ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
                    ptrdiff_t v_rs, int dv, int nk_next)
 {
-    const int KB = W / R;
+    const int KB = R > 4 ? DSUMS / R : W / R;     /* R * KB <= DSUMS sums */
     const ptrdiff_t dvec = (ptrdiff_t)d / W * W;
     for (ptrdiff_t c = 0; c < nk; c += KB) {
         const REAL *kr[W];
@@ -407,8 +424,8 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
                 FN(prefetch_row_)(pf_v + (NK + c + u) * v_rs, dv);
                 FN(prefetch_row_)(k + (NK + c + u) * k_rs, d);
             }
-        VEC a[W];
-        for (int i = 0; i < W; i++)
+        VEC a[DSUMS];
+        for (int i = 0; i < DSUMS; i++)
             a[i] = (VEC){0};
         for (ptrdiff_t p = 0; p < dvec; p += W) {
             VEC kv[W];
@@ -420,16 +437,20 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
                     a[i * KB + u] += qv * kv[u];
             }
         }
-        VEC t = FN(reduce_)(a);
+        VEC t[DSUMS / W];
+        for (int h = 0; h * W < R * KB; h++)    /* one tree per W sums: each sum's own order */
+            t[h] = FN(reduce_)(a + h * W);
+        REAL *tl = (REAL *)t;
         if (dvec < d)
             for (int i = 0; i < R; i++)
                 for (int u = 0; u < KB; u++) {
                     REAL x = 0;
                     for (ptrdiff_t p = dvec; p < d; p++)
                         x += q[i * q_rs + p] * kr[u][p];
-                    t[i * KB + u] += x;
+                    tl[i * KB + u] += x;
                 }
-        t *= scale;
+        for (int h = 0; h * W < R * KB; h++)
+            t[h] *= scale;
         FN(store_block_)(R, KB, t, s + c, (int)(nk - c < KB ? nk - c : KB));
     }
 }
@@ -439,7 +460,7 @@ static inline __attribute__((always_inline)) void
 FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
                int dv)
 {
-    const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
+    const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);     /* (M = 8: 16 sums, AVX-512 only) */
     ptrdiff_t e = 0;
     for (; e + NV * WP <= dv; e += NV * WP)
         FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1);
@@ -496,16 +517,21 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
         int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
         ptrdiff_t after = k_end - j0 - nk;
         int nk_next = (int)(after < NK ? after : NK);
-        for (ptrdiff_t r = 0; r < rows; r += DRB) {
-            int left = (int)(rows - r);
-            if (limit + (r + (left < DRB ? left : DRB) - 1) * limit_step <= j0)
+        for (ptrdiff_t r = 0, block; r < rows; r += block) {
+            ptrdiff_t left = rows - r;
+            /* DRB rows, else 4 (when DRB is 8), else what is left */
+            block = left >= DRB ? DRB : (left >= 4 ? 4 : left);
+            if (limit + (r + block - 1) * limit_step <= j0)
                 continue;
             if (window > 0 && limit + r * limit_step - window >= j0 + nk)
                 continue;
-            switch (left < DRB ? left : DRB) {
+            switch (block) {
             case 1: DBLOCK(1); break;
             case 2: DBLOCK(2); break;
             case 3: DBLOCK(3); break;
+#if DRB > 4
+            case 4: DBLOCK(4); break;
+#endif
             default: DBLOCK(DRB); break;
             }
         }
@@ -513,6 +539,8 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 }
 
 #undef DBLOCK
+#undef DSUMS
+#undef DRB
 #undef VEC
 #undef VECP
 #undef WP
