@@ -380,7 +380,15 @@ static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
  * few miss buffers until the line arrives, which capped a thread's stream from DRAM. Zen 4,
  * decode_dram's shapes (64 MiB caches, rotated): 2 threads 18.9 -> 30-32 GB/s, one thread
  * 9.8 -> 16.0 (np.max: 29 and 25); prefetching two or more tiles ahead, or into every level
- * (prefetcht2), measured slower. */
+ * (prefetcht2), measured slower.
+ * PF_AHEAD keys ahead, not a tile (NK): enough lead for DRAM's latency (16 keys are 1-2 us of
+ * this kernel), fewer lines in flight. Zen 4, 1 thread, the same shapes, medians of 4
+ * interleaved runs: 4.12 ms a tile ahead, 3.74 at 16 keys, 3.68 at 8. At 2 threads within the
+ * host's noise (2.60 / 2.61 / 2.64), and MQA (1, 8, 1, 128) over 32k keys 1.71 / 1.61 / 1.39. */
+#define PF_AHEAD 16
+#if PF_AHEAD > NK
+#error "PF_AHEAD must be at most a tile: the prefetched keys are in this tile or the next"
+#endif
 static inline __attribute__((always_inline)) void FN(prefetch_row_)(const REAL *x, int n)
 {
     for (ptrdiff_t e = 0; e < n; e += 64 / (ptrdiff_t)sizeof(REAL))
@@ -405,9 +413,9 @@ FN(store_block_)(const int R, const int KB, const VEC *t, REAL *s, int left)
 }
 
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. Also,
- * with pf_v != NULL, prefetch the K and V rows of the next tile (its first nk_next rows: from
- * k + NK * k_rs and pf_v + NK * v_rs): the memory is streamed once, and latency, not
- * bandwidth, limited one thread without it. */
+ * with pf_v != NULL, prefetch the K and V rows PF_AHEAD keys ahead (those that exist: nk_next,
+ * the next tile's keys, else none; pf_v is this tile's V): the memory is streamed once, and
+ * latency, not bandwidth, limited one thread without it. */
 static inline __attribute__((always_inline)) void
 FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                    ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
@@ -420,9 +428,9 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
         if (pf_v != NULL)
-            for (int u = 0; u < KB && c + u < nk_next; u++) {
-                FN(prefetch_row_)(pf_v + (NK + c + u) * v_rs, dv);
-                FN(prefetch_row_)(k + (NK + c + u) * k_rs, d);
+            for (int u = 0; u < KB && PF_AHEAD + c + u < nk + nk_next; u++) {
+                FN(prefetch_row_)(pf_v + (PF_AHEAD + c + u) * v_rs, dv);
+                FN(prefetch_row_)(k + (PF_AHEAD + c + u) * k_rs, d);
             }
         VEC a[DSUMS];
         for (int i = 0; i < DSUMS; i++)
@@ -539,6 +547,7 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 }
 
 #undef DBLOCK
+#undef PF_AHEAD
 #undef DSUMS
 #undef DRB
 #undef VEC
