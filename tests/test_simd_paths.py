@@ -31,6 +31,10 @@ CASES = {
     "weights": dict(embed_dim=48, num_heads=3, batch=2, length=19,
                     call=dict(need_weights=True)),
     "decode": dict(embed_dim=64, num_heads=4, batch=2, length=21, decode=3, call={}),
+    # MQA, 8 query heads of head dim 32 on one K/V head: the direct kernel's 8-row block
+    # (AVX-512 only; 2 blocks of 4 rows below), over two key tiles and a partial one
+    "decode_mqa": dict(embed_dim=256, num_heads=8, num_kv_heads=1, batch=2, length=150,
+                       decode=3, call={}),
     "wide_heads": dict(embed_dim=600, num_heads=2, batch=1, length=9,
                        call=dict(is_causal=True)),
 }
