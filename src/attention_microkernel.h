@@ -112,6 +112,10 @@ void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
  * rows (see the crossover above). */
 #define MHA_FUSED_DIRECT_MAX_ROWS 8
 #define MHA_FUSED_DIRECT_MIN_HEAD_DIM 32   /* (tasks of one row: any head dim) */
+/* How many keys ahead the decode kernels (this one and kv_format.h's) prefetch K and V rows
+ * into L2; at most a tile (64 float32 / 32 float64 keys). The measurements are at
+ * attention_microkernel_impl.h's prefetch_row_. */
+#define MHA_DECODE_PREFETCH_KEYS 16
 void mha_fused_attend_direct_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
                                  const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs,
                                  int dv, ptrdiff_t k_begin, ptrdiff_t k_end, float scale,

@@ -339,10 +339,11 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
 
 /* ---- The direct kernel (few rows: decode) ------------------------------------------------
  * No packing: the scores are dot products over d on the K rows as they lie in memory, in
- * blocks of R rows x KB = W / R keys whose W vectors of partial sums are reduced together by
- * one shuffle tree (lane i of the result = the sum of vector i), so a reduction costs about
- * 2 vector operations per score instead of a horizontal sum each. Each K row is loaded once
- * per block of R <= 4 rows. Then the same row softmax and P V as the packed kernel. */
+ * blocks of R rows x KB keys (W / R, or DSUMS / R for more than 4 rows) whose vectors of
+ * partial sums are reduced W at a time by one shuffle tree (lane i of the result = the sum of
+ * vector i), so a reduction costs about 2 vector operations per score instead of a horizontal
+ * sum each. Each K row is loaded once per block of R <= DRB rows. Then the same row softmax
+ * and P V as the packed kernel. */
 
 #if W == 8
 /* [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] (vhaddps) */
@@ -381,13 +382,13 @@ static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
  * decode_dram's shapes (64 MiB caches, rotated): 2 threads 18.9 -> 30-32 GB/s, one thread
  * 9.8 -> 16.0 (np.max: 29 and 25); prefetching two or more tiles ahead, or into every level
  * (prefetcht2), measured slower.
- * PF_AHEAD keys ahead, not a tile (NK): enough lead for DRAM's latency (16 keys are 1-2 us of
- * this kernel), fewer lines in flight. Zen 4, 1 thread, the same shapes, medians of 4
- * interleaved runs: 4.12 ms a tile ahead, 3.74 at 16 keys, 3.68 at 8. At 2 threads within the
- * host's noise (2.60 / 2.61 / 2.64), and MQA (1, 8, 1, 128) over 32k keys 1.71 / 1.61 / 1.39. */
-#define PF_AHEAD 16
-#if PF_AHEAD > NK
-#error "PF_AHEAD must be at most a tile: the prefetched keys are in this tile or the next"
+ * MHA_DECODE_PREFETCH_KEYS keys ahead, not a tile (NK): enough lead for DRAM's latency (16
+ * keys are 1-2 us of this kernel), fewer lines in flight. Zen 4, 1 thread, the same shapes,
+ * medians of 4 interleaved runs: 4.12 ms a tile ahead, 3.74 at 16 keys, 3.68 at 8. At 2
+ * threads within the host's noise (2.60 / 2.61 / 2.64), and MQA (1, 8, 1, 128) over 32k keys
+ * 1.71 / 1.61 / 1.39. */
+#if MHA_DECODE_PREFETCH_KEYS > NK
+#error "MHA_DECODE_PREFETCH_KEYS must be at most a tile: the keys are in this tile or the next"
 #endif
 static inline __attribute__((always_inline)) void FN(prefetch_row_)(const REAL *x, int n)
 {
@@ -413,9 +414,9 @@ FN(store_block_)(const int R, const int KB, const VEC *t, REAL *s, int left)
 }
 
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. Also,
- * with pf_v != NULL, prefetch the K and V rows PF_AHEAD keys ahead (those that exist: nk_next,
- * the next tile's keys, else none; pf_v is this tile's V): the memory is streamed once, and
- * latency, not bandwidth, limited one thread without it. */
+ * with pf_v != NULL, prefetch the K and V rows MHA_DECODE_PREFETCH_KEYS ahead (those that
+ * exist: nk_next, the next tile's keys, else none; pf_v is this tile's V): the memory is
+ * streamed once, and latency, not bandwidth, limited one thread without it. */
 static inline __attribute__((always_inline)) void
 FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                    ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
@@ -428,9 +429,9 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
         if (pf_v != NULL)
-            for (int u = 0; u < KB && PF_AHEAD + c + u < nk + nk_next; u++) {
-                FN(prefetch_row_)(pf_v + (PF_AHEAD + c + u) * v_rs, dv);
-                FN(prefetch_row_)(k + (PF_AHEAD + c + u) * k_rs, d);
+            for (int u = 0; u < KB && MHA_DECODE_PREFETCH_KEYS + c + u < nk + nk_next; u++) {
+                FN(prefetch_row_)(pf_v + (MHA_DECODE_PREFETCH_KEYS + c + u) * v_rs, dv);
+                FN(prefetch_row_)(k + (MHA_DECODE_PREFETCH_KEYS + c + u) * k_rs, d);
             }
         VEC a[DSUMS];
         for (int i = 0; i < DSUMS; i++)
@@ -547,7 +548,6 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 }
 
 #undef DBLOCK
-#undef PF_AHEAD
 #undef DSUMS
 #undef DRB
 #undef VEC

@@ -96,11 +96,10 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
          + __builtin_shuffle(f, g, (FN(kvmask_)){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-/* Into L2 (prefetcht1), PF_AHEAD keys ahead, as attention_microkernel_impl.h's prefetch_row_
- * does, and why. Zen 4, 2 threads, decode_cache_* (8 rotated caches), medians of 3 interleaved
- * runs, a tile ahead -> 16 keys: float16 2.43 -> 2.10 ms, int8 1.78 -> 1.90 (noise: runs
- * spread 0.3 ms). */
-#define PF_AHEAD 16
+/* Into L2 (prefetcht1), MHA_DECODE_PREFETCH_KEYS keys ahead, as attention_microkernel_impl.h's
+ * prefetch_row_ does, and why. Zen 4, 2 threads, decode_cache_* (8 rotated caches), medians
+ * of 3 interleaved runs, a tile ahead -> 16 keys: float16 2.43 -> 2.10 ms, int8 1.78 -> 1.90
+ * (noise: runs spread 0.3 ms). */
 static inline __attribute__((always_inline)) void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
 {
 #pragma GCC unroll 4
@@ -136,9 +135,9 @@ FN(kv_times_)(float *s, const float *ks, float scale, int n)
 
 /* s[i * NK + c] = scale * s_k[c] * (q_i . k_c) for i < R, c < nk: blocks of R rows x KB = W / R
  * keys, whose W vectors of partial sums one shuffle tree reduces (each K row is loaded, and
- * converted, once per block of rows). With pf_v: prefetch the K and V rows PF_AHEAD keys
- * ahead (those that exist: nk_next, the next tile's keys; pf_v: this tile's V; esz: bytes per
- * stored value). */
+ * converted, once per block of rows). With pf_v: prefetch the K and V rows
+ * MHA_DECODE_PREFETCH_KEYS ahead (those that exist: nk_next, the next tile's keys; pf_v: this
+ * tile's V; esz: bytes per stored value). */
 static inline __attribute__((always_inline)) void
 FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d,
                const void *k, ptrdiff_t k_rs, const float *ks, int nk, float scale, float *s,
@@ -152,12 +151,13 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = (c + u < nk ? c + u : c) * k_rs;
         if (pf_v != NULL) {
-            const char *pv = (const char *)pf_v + (PF_AHEAD + c) * v_rs * esz;
-            const char *pk = (const char *)k + (PF_AHEAD + c) * k_rs * esz;
-            if (v_rs == dv && k_rs == d && dv == d && PF_AHEAD + c + KB <= nk + nk_next) {
-                /* contiguous rows: the next tile's V and K rows of the block as two spans, a
-                 * line of each in turn (the per-row loops cost about 35 instructions a key
-                 * for int8 rows of two lines) */
+            const ptrdiff_t ahead = MHA_DECODE_PREFETCH_KEYS + c;
+            const char *pv = (const char *)pf_v + ahead * v_rs * esz;
+            const char *pk = (const char *)k + ahead * k_rs * esz;
+            if (v_rs == dv && k_rs == d && dv == d && ahead + KB <= nk + nk_next) {
+                /* contiguous rows: the V and K rows of the block's keys, that far ahead, as
+                 * two spans, a line of each in turn (the per-row loops cost about 35
+                 * instructions a key for int8 rows of two lines) */
                 const ptrdiff_t span = KB * d * esz;
                 for (ptrdiff_t e = 0; e < span; e += 64) {
                     __builtin_prefetch(pv + e, 0, 2);
@@ -166,7 +166,7 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
                 __builtin_prefetch(pv + span - 1, 0, 2);
                 __builtin_prefetch(pk + span - 1, 0, 2);
             } else
-                for (int u = 0; u < KB && PF_AHEAD + c + u < nk + nk_next; u++) {
+                for (int u = 0; u < KB && ahead + u < nk + nk_next; u++) {
                     FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
                     FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
                 }
@@ -398,7 +398,6 @@ void FN(mha_kv_attend_direct_i8_)(const float *q, ptrdiff_t q_rs, int rows, int 
 
 #undef VEC
 #undef NK
-#undef PF_AHEAD
 #undef W
 #undef FN
 #undef MHA_CAT
