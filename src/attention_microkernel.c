@@ -8,8 +8,8 @@
 #include "fast_exp.h"
 #include "simd_dispatch.h"
 
-/* The masks and the online softmax of a row are attention_tile.c's, shared with the BLAS
- * path (the same mask and NaN semantics). */
+/* The masks and the online softmax of a row are attention_tile.c's (softmax_row_impl.h,
+ * inlined), shared with the BLAS path (the same mask and NaN semantics). */
 #define RB 6           /* query rows per register block of the packed kernel: 6 x 2 vectors of
                           sums, 12 of the 16 ymm registers on AVX2 */
 #define DRB_WIDE 8     /* the most query rows per block of the direct kernel (its DRB: 8 at
@@ -20,18 +20,26 @@
 #define REAL float
 #define TYPE_SUFFIX f32
 #define VL 16          /* lanes of one 512-bit vector */
+#define EXP mha_exp_f32
+#define EXP_C(name) MHA_EXP_F32_##name
 #include "simd_isas.h"
 #undef REAL
 #undef TYPE_SUFFIX
 #undef VL
+#undef EXP
+#undef EXP_C
 
 #define REAL double
 #define TYPE_SUFFIX f64
 #define VL 8
+#define EXP mha_exp_f64
+#define EXP_C(name) MHA_EXP_F64_##name
 #include "simd_isas.h"
 #undef REAL
 #undef TYPE_SUFFIX
 #undef VL
+#undef EXP
+#undef EXP_C
 
 #ifdef MHA_SIMD_DISPATCH
 /* The scratch size is the same at every level. */

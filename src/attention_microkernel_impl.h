@@ -1,7 +1,7 @@
 /* Body of attention_microkernel.c for one floating type: included with REAL = float and with
  * REAL = double, once per SIMD level (simd_isas.h). Defines needed: REAL, SUFFIX, VL (lanes of
- * a 512-bit vector), RB, DRB_WIDE. The rows' online softmax is attention_tile.h's copy of
- * this SIMD level (FN(mha_online_softmax_row_)), called without the run-time dispatch.
+ * a 512-bit vector), RB, DRB_WIDE, EXP and EXP_C (as attention_tile_impl.h). The rows' online
+ * softmax is attention_tile.c's, inlined (softmax_row_impl.h).
  * The register blocks are GNU C vectors, which gcc lowers at every SIMD level of
  * simd_isas.h; the block functions are always_inline with a constant row count so the
  * M x 2 vectors of sums stay in registers. Plain lane loops (as in small_gemm_impl.h) did not
@@ -11,6 +11,8 @@
 #define MHA_CAT_(a, b) a##b
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
+
+#include "softmax_row_impl.h"
 
 #define NK (4 * VL)    /* keys per tile: the packed tile is d x 256 bytes */
 #define VEC FN(vec_)
@@ -230,10 +232,10 @@ FN(softmax_rows_)(const int M, REAL *s, int nk, int dv, ptrdiff_t j0, const REAL
         n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
         ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
         n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
-        FN(mha_online_softmax_row_)(s + i * NK, nk,
-                                    add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                                    pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
-                                    m + i, l + i, acc + i * dv, dv);
+        FN(online_softmax_row_)(s + i * NK, nk,
+                                add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                                pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
+                                m + i, l + i, acc + i * dv, dv);
     }
 }
 

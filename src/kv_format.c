@@ -5,6 +5,7 @@
 
 #include "attention_microkernel.h"
 #include "attention_tile.h"
+#include "fast_exp.h"
 #include "kv_format.h"
 #include "simd_dispatch.h"
 
@@ -35,8 +36,14 @@ static inline float mha_half_to_float(uint16_t h)
 #define MHA_KV_NK 64   /* keys per tile of the direct kernel (its scores: DRB x NK floats) */
 #define MHA_IMPL "kv_format_impl.h"
 #define TYPE_SUFFIX f32
+#define REAL float     /* the type of the queries, scores and outputs (softmax_row_impl.h) */
+#define EXP mha_exp_f32
+#define EXP_C(name) MHA_EXP_F32_##name
 #include "simd_isas.h"
 #undef TYPE_SUFFIX
+#undef REAL
+#undef EXP
+#undef EXP_C
 
 ptrdiff_t mha_kv_direct_scratch(void) { return DRB * MHA_KV_NK; }
 

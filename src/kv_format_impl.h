@@ -7,6 +7,8 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
+#include "softmax_row_impl.h"
+
 #define W 8            /* lanes of a 256-bit vector of floats */
 #define NK MHA_KV_NK
 #define VEC FN(kvvec_)
@@ -323,10 +325,10 @@ FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
         n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
         ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
         n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
-        FN(mha_online_softmax_row_)(s + i * NK, nk,
-                                    add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                                    pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
-                                    m + i, l + i, acc + i * dv, dv);
+        FN(online_softmax_row_)(s + i * NK, nk,
+                                add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                                pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
+                                m + i, l + i, acc + i * dv, dv);
         if (fmt == MHA_KV_I8)
             FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
     }
