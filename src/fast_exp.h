@@ -25,6 +25,7 @@
 #define MHA_EXP_F32_INT int32_t                /* the integer type of a float's bits */
 #define MHA_EXP_F32_BIAS 127
 #define MHA_EXP_F32_MANT_BITS 23
+#define MHA_EXP_F32_AVX512_BODY 1                /* softmax_row_impl.h has an AVX-512 one */
 #define MHA_EXP_F32_POLY_STEPS(FOR, p, r)                                                    \
     do {                                                                                     \
         FOR p[u] = 1.9875691500e-4f * r[u] + 1.3981999507e-3f;                               \
@@ -45,6 +46,7 @@
 #define MHA_EXP_F64_INT int64_t
 #define MHA_EXP_F64_BIAS 1023
 #define MHA_EXP_F64_MANT_BITS 52
+#define MHA_EXP_F64_AVX512_BODY 0
 #define MHA_EXP_F64_POLY_STEPS(FOR, p, r)                                                    \
     do {                                                                                     \
         FOR p[u] = 1.0 / 479001600.0 * r[u] + 1.0 / 39916800.0;                              \
