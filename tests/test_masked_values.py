@@ -256,3 +256,24 @@ def test_pruned_module_with_non_finite_values_matches_the_reference(rng, dtype, 
     outs = [m(x, cache=c) for m, c in zip((fast, ref), caches)]
     assert_same(outs[0], outs[1], dtype)
     assert np.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_row_length_with_hidden_and_underflowing_keys(rng, dtype, tile_kernel):
+    """Rows of 1 to 70 keys, so every tail of the softmax's vector exp (16 and 8 lanes, a
+    masked last vector or a scalar loop) and a second key tile: keys hidden by an additive
+    -inf, scores far below the exp's underflow (probability +0, their V still read) and
+    ordinary ones. Output and weights as the reference; hidden weights are +0."""
+    fast, ref = make_pair(rng, 32, 2, dtype)
+    for lk in range(1, 71):
+        x = rng.standard_normal((1, lk, 32)).astype(dtype)
+        mask = rng.standard_normal((lk, lk)).astype(dtype)
+        mask[rng.random((lk, lk)) < 0.3] = -np.inf
+        mask[rng.random((lk, lk)) < 0.2] = -1e4         # exp underflows to 0 at any dtype
+        for kw in (dict(attn_mask=mask), dict(attn_mask=mask, is_causal=True)):
+            out, w = fast(x, need_weights=True, **kw)
+            out_r, w_r = ref(x, need_weights=True, **kw)
+            assert_same(out, out_r, dtype)
+            assert_same(w, w_r, dtype)
+            assert not np.signbit(w[w == 0]).any()
+            assert_same(fast(x, **kw), out_r, dtype)
