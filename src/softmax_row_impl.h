@@ -8,6 +8,10 @@
  * fast_exp.h), EXP_C(NAME) (its constants). No include guard: included once per type and
  * level. Loop indices are ptrdiff_t, as in attention_tile_impl.h. */
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>     /* the AVX-512 exp below (an include guard of its own) */
+#endif
+
 /* Without -ffast-math gcc vectorizes no reduction on its own (it may not reorder one running
  * result): the max gets an OpenMP SIMD reduction (-fopenmp-simd; measured 0.52 -> 0.42
  * ns/key per softmax row), the sum, whose loop also holds the exp, VX_BLOCK partial sums, which
@@ -59,10 +63,6 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
  * block's rows at once (its passes over every row before the next) measured no faster. */
 typedef REAL FN(vreal_) __attribute__((vector_size(32), aligned(sizeof(REAL)), may_alias));
 typedef EXP_C(INT) FN(vint_) __attribute__((vector_size(32)));
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #define VR FN(vreal_)
 #define VI FN(vint_)
 #define VN ((ptrdiff_t)(32 / sizeof(REAL)))
@@ -103,28 +103,26 @@ static inline __attribute__((always_inline)) void FN(vexp_block_)(const int nv, 
  * code's (other bits at this level only). Zen 4, 1 thread, exp_and_sum_'s share of a causal
  * prefill's kernel samples 17.6% -> 14.8%; medians of interleaved runs, (1, 8, 4096, 64)
  * causal 255 -> 232 ms, (8, 12, 512, 64) 90.4 -> 85.7 ms, (1, 12, 128, 64) unchanged. */
-#define VW_FOR for (int u = 0; u < nv; u++)
 static inline __attribute__((always_inline)) void FN(vexp16_block_)(const int nv, __m512 *x,
                                                                     REAL mx, __m512 *part)
 {
     __mmask16 hidden[VX_BLOCK], keep[VX_BLOCK];
     __m512 xc[VX_BLOCK], t[VX_BLOCK], nn[VX_BLOCK], r[VX_BLOCK], p[VX_BLOCK];
     /* hidden: not > -inf (-inf or NaN); keep: not below the underflow (NaN too) */
-    VW_FOR hidden[u] = _mm512_cmp_ps_mask(x[u], _mm512_set1_ps(-INFINITY), _CMP_NGT_UQ);
-    VW_FOR xc[u] = x[u] - mx;
-    VW_FOR keep[u] = _mm512_cmp_ps_mask(xc[u], _mm512_set1_ps(EXP_C(UNDERFLOW)), _CMP_NLT_UQ);
-    VW_FOR xc[u] = _mm512_maskz_mov_ps(keep[u], xc[u]);
-    VW_FOR t[u] = xc[u] * EXP_C(LOG2E) + EXP_C(ROUND_MAGIC);
-    VW_FOR nn[u] = t[u] - EXP_C(ROUND_MAGIC);
-    VW_FOR r[u] = xc[u] - nn[u] * EXP_C(LN2_HI);
-    VW_FOR r[u] = r[u] - nn[u] * EXP_C(LN2_LO);
-    EXP_C(POLY_STEPS)(VW_FOR, p, r);
-    VW_FOR p[u] = _mm512_maskz_mov_ps(keep[u], _mm512_scalef_ps(p[u], nn[u]));
-    VW_FOR p[u] = _mm512_mask_xor_ps(p[u], hidden[u], p[u], _mm512_set1_ps(-0.0f));
-    VW_FOR part[u] += p[u];
-    VW_FOR x[u] = p[u];
+    VX_FOR hidden[u] = _mm512_cmp_ps_mask(x[u], _mm512_set1_ps(-INFINITY), _CMP_NGT_UQ);
+    VX_FOR xc[u] = x[u] - mx;
+    VX_FOR keep[u] = _mm512_cmp_ps_mask(xc[u], _mm512_set1_ps(EXP_C(UNDERFLOW)), _CMP_NLT_UQ);
+    VX_FOR xc[u] = _mm512_maskz_mov_ps(keep[u], xc[u]);
+    VX_FOR t[u] = xc[u] * EXP_C(LOG2E) + EXP_C(ROUND_MAGIC);
+    VX_FOR nn[u] = t[u] - EXP_C(ROUND_MAGIC);
+    VX_FOR r[u] = xc[u] - nn[u] * EXP_C(LN2_HI);
+    VX_FOR r[u] = r[u] - nn[u] * EXP_C(LN2_LO);
+    EXP_C(POLY_STEPS)(VX_FOR, p, r);
+    VX_FOR p[u] = _mm512_maskz_mov_ps(keep[u], _mm512_scalef_ps(p[u], nn[u]));
+    VX_FOR p[u] = _mm512_mask_xor_ps(p[u], hidden[u], p[u], _mm512_set1_ps(-0.0f));
+    VX_FOR part[u] += p[u];
+    VX_FOR x[u] = p[u];
 }
-#undef VW_FOR
 
 static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
 {
