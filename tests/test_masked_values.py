@@ -25,6 +25,18 @@ def assert_same(actual, expected, dtype):
     assert_close(np.where(finite, actual, 0), np.where(finite, expected, 0), dtype)
 
 
+def assert_weights_path_matches(fast, ref, x, kw, dtype):
+    """fast(x, **kw) as ref's, with weights (hidden ones +0, not -0) and without; returns the
+    output."""
+    out, w = fast(x, need_weights=True, **kw)
+    out_r, w_r = ref(x, need_weights=True, **kw)
+    assert_same(out, out_r, dtype)
+    assert_same(w, w_r, dtype)
+    assert not np.signbit(w[w == 0]).any()
+    assert_same(fast(x, **kw), out_r, dtype)
+    return out
+
+
 def qkv(rng, dtype, b=1, hq=2, hkv=1, lq=3, lk=300, d=32):
     q = rng.standard_normal((b, hq, lq, d)).astype(dtype)
     k = rng.standard_normal((b, hkv, lk, d)).astype(dtype)
@@ -163,13 +175,8 @@ def test_module_need_weights_padding_and_causal(rng, dtype, tile_kernel):
     pad[0, 9:] = True
     x[0, 10] = np.nan                    # padding of sequence 0: K and V NaN, its query too
     for kw in (dict(key_padding_mask=pad), dict(key_padding_mask=pad, is_causal=True)):
-        out, w = fast(x, need_weights=True, **kw)
-        out_r, w_r = ref(x, need_weights=True, **kw)
-        assert_same(out, out_r, dtype)
-        assert_same(w, w_r, dtype)
-        assert not np.signbit(w[w == 0]).any()
+        out = assert_weights_path_matches(fast, ref, x, kw, dtype)
         assert np.isfinite(out[0, :10]).all() and np.isfinite(out[1]).all()
-        assert_same(fast(x, **kw), out_r, dtype)
     x[0, 10] = 0
     x[1, 7] = np.inf                     # sequence 1: rows 0-6 do not see token 7
     out, w = fast(x, is_causal=True, need_weights=True)
@@ -271,9 +278,4 @@ def test_every_row_length_with_hidden_and_underflowing_keys(rng, dtype, tile_ker
         mask[rng.random((lk, lk)) < 0.3] = -np.inf
         mask[rng.random((lk, lk)) < 0.2] = -1e4         # exp underflows to 0 at any dtype
         for kw in (dict(attn_mask=mask), dict(attn_mask=mask, is_causal=True)):
-            out, w = fast(x, need_weights=True, **kw)
-            out_r, w_r = ref(x, need_weights=True, **kw)
-            assert_same(out, out_r, dtype)
-            assert_same(w, w_r, dtype)
-            assert not np.signbit(w[w == 0]).any()
-            assert_same(fast(x, **kw), out_r, dtype)
+            assert_weights_path_matches(fast, ref, x, kw, dtype)
