@@ -2,7 +2,8 @@
  *
  * The Cython kernel computes a tile of scores S = scale * Q K^T with BLAS; these functions then
  * treat one query row of that tile: apply the masks, turn scores into probabilities, and keep
- * the running statistics of the online ("flash") softmax. They are plain C so that gcc can
+ * the running statistics of the online ("flash") softmax; the fused kernels inline the same
+ * steps (softmax_row_impl.h, the bodies of these functions). They are plain C so that gcc can
  * vectorize them, and are compiled for several SIMD levels (picked at run time, see
  * simd_dispatch.h) because wheels must run on any x86-64 CPU.
  *
@@ -41,23 +42,6 @@ void mha_online_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add
 void mha_online_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
                                 const unsigned char *pad, int n_skip, int n_valid,
                                 double *m, double *l, double *acc, int dv);
-
-/* The copies of mha_online_softmax_row_* at each SIMD level (simd_dispatch.h), for the kernels
- * compiled at that level to call directly: the public function's run-time dispatch cost about
- * 40 instructions a call (11 arguments copied again), per row per key tile of 64 keys. */
-#ifdef MHA_SIMD_DISPATCH
-#define MHA_DECLARE_ONLINE_ROW(REAL, SFX)                                                    \
-    void mha_online_softmax_row_##SFX(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,  \
-                                      const unsigned char *pad, int n_skip, int n_valid,     \
-                                      REAL *m, REAL *l, REAL *acc, int dv);
-MHA_DECLARE_ONLINE_ROW(float, f32_avx512)
-MHA_DECLARE_ONLINE_ROW(float, f32_avx2)
-MHA_DECLARE_ONLINE_ROW(float, f32_base)
-MHA_DECLARE_ONLINE_ROW(double, f64_avx512)
-MHA_DECLARE_ONLINE_ROW(double, f64_avx2)
-MHA_DECLARE_ONLINE_ROW(double, f64_base)
-#undef MHA_DECLARE_ONLINE_ROW
-#endif
 
 /* Exact softmax of one whole row in place: s[0:n] becomes the attention weights (-0.0 at
  * hidden keys, as above). */
