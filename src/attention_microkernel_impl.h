@@ -220,25 +220,6 @@ FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, pt
             *(VECP *)(acc + i * dv + e0 + c * WP) = a[i * NV + c];
 }
 
-/* The masks and the online softmax of each of the M rows against the keys [j0, j0 + nk)
- * (attention_tile.c: the same mask and NaN semantics as the BLAS path). */
-static inline __attribute__((always_inline)) void
-FN(softmax_rows_)(const int M, REAL *s, int nk, int dv, ptrdiff_t j0, const REAL *add,
-                  ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
-                  ptrdiff_t limit_step, ptrdiff_t window, REAL *m, REAL *l, REAL *acc)
-{
-    for (int i = 0; i < M; i++) {
-        ptrdiff_t n_valid = limit + i * limit_step - j0;
-        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
-        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
-        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
-        FN(online_softmax_row_)(s + i * NK, nk,
-                                add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                                pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
-                                m + i, l + i, acc + i * dv, dv);
-    }
-}
-
 /* What every block of the packed kernel does once its M rows of scores for keys
  * [j0, j0 + nk) are in s: the rows' softmax, then acc += P V over the tile's rows of V,
  * never reading V at a hidden key. v_finite: the caller found the V tile finite (else every
@@ -250,8 +231,8 @@ FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *v, ptrdiff_t v_rs,
                     ptrdiff_t window,
                     REAL *m, REAL *l, REAL *acc, const int v_finite)
 {
-    FN(softmax_rows_)(M, s, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step, window,
-                      m, l, acc);
+    FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
+                             window, m, l, acc);
     const REAL *vt = v + j0 * v_rs;
     ptrdiff_t e = 0;
     for (; v_finite && e + 2 * WP <= dv; e += 2 * WP)
@@ -502,8 +483,8 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
 {
     FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
                        prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
-    FN(softmax_rows_)(M, s, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step, window,
-                      m, l, acc);
+    FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
+                             window, m, l, acc);
     FN(direct_pv_)(M, s, nk, v + j0 * v_rs, v_rs, acc, dv);
 }
 

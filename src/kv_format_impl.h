@@ -320,18 +320,10 @@ FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
     const char *kt = (const char *)k + j0 * k_rs * esz, *vt = (const char *)v + j0 * v_rs * esz;
     FN(kv_scores_)(fmt, M, q, q_rs, d, kt, k_rs, ks == NULL ? NULL : ks + j0, nk, scale, s,
                    prefetch ? vt : NULL, v_rs, dv, nk_next);
-    for (int i = 0; i < M; i++) {
-        ptrdiff_t n_valid = limit + i * limit_step - j0;
-        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
-        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
-        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
-        FN(online_softmax_row_)(s + i * NK, nk,
-                                add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
-                                pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
-                                m + i, l + i, acc + i * dv, dv);
-        if (fmt == MHA_KV_I8)
-            FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
-    }
+    FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
+                             window, m, l, acc);
+    for (int i = 0; fmt == MHA_KV_I8 && i < M; i++)
+        FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
     FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv);
 }
 

@@ -4,9 +4,9 @@
  * kv_format_impl.h), which inline them instead of calling attention_tile.c once per row and
  * key tile (the call and mask_and_max_'s were 4.5% of the samples of a causal prefill; Zen 4,
  * 1 thread, (1, 8, 4096, 64): 229-265 -> 222-233 ms in interleaved runs, the same bits).
- * Defines needed: REAL, FN(name), EXP (the scalar exp of
- * fast_exp.h), EXP_C(NAME) (its constants). No include guard: included once per type and
- * level. Loop indices are ptrdiff_t, as in attention_tile_impl.h. */
+ * Defines needed: REAL, FN(name), EXP (the scalar exp of fast_exp.h), EXP_C(NAME) (its
+ * constants). No include guard: included once per type and level. Loop indices are
+ * ptrdiff_t, as in attention_tile_impl.h. */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>     /* the AVX-512 exp below (an include guard of its own) */
@@ -57,10 +57,11 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
  * products must not read (attention_tile.h). The exp runs on 256-bit GNU vectors (512-bit at
  * AVX-512 for float, below), VX_BLOCK of them at a time, each step of the polynomial over all
  * of them before the next (gcc keeps that order: it does not reschedule on x86), so VX_BLOCK
- * chains of dependent FMAs are in flight. The loop gcc vectorized by itself (16 lanes of the scalar EXP) ran its two chains
- * almost one after the other: Zen 1, one row of 64 / 256 scores, 2.7 / 2.2 -> 2.2 / 1.6 ns a
- * score; the fused kernel, 256 rows, D = 64: 4% faster (the same run, 1 thread). A call for a
- * block's rows at once (its passes over every row before the next) measured no faster. */
+ * chains of dependent FMAs are in flight. The loop gcc vectorized by itself (16 lanes of the
+ * scalar EXP) ran its two chains almost one after the other: Zen 1, one row of 64 / 256
+ * scores, 2.7 / 2.2 -> 2.2 / 1.6 ns a score; the fused kernel, 256 rows, D = 64: 4% faster
+ * (the same run, 1 thread). A call for a block's rows at once (its passes over every row
+ * before the next) measured no faster. */
 typedef REAL FN(vreal_) __attribute__((vector_size(32), aligned(sizeof(REAL)), may_alias));
 typedef EXP_C(INT) FN(vint_) __attribute__((vector_size(32)));
 #define VR FN(vreal_)
@@ -229,6 +230,28 @@ FN(online_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
 {
     REAL tile_max = FN(mask_and_max_)(s, n, add, add_stride, pad, n_skip, n_valid);
     FN(online_update_)(s, n, tile_max, m, l, acc, dv);
+}
+
+/* The masks and the online softmax of M rows (row i at s + i * s_rs) against the keys
+ * [j0, j0 + nk): row i sees keys j < limit + i * limit_step (causal), and with window > 0
+ * also j >= limit + i * limit_step - window; add (key j of row i at add[i * add_rs + j *
+ * add_ks]) and pad as in attention_tile.h. The fused kernels' rows of one block. */
+static inline __attribute__((always_inline)) void
+FN(online_softmax_rows_)(const int M, REAL *s, ptrdiff_t s_rs, int nk, int dv, ptrdiff_t j0,
+                         const REAL *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+                         const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+                         ptrdiff_t window, REAL *m, REAL *l, REAL *acc)
+{
+    for (int i = 0; i < M; i++) {
+        ptrdiff_t n_valid = limit + i * limit_step - j0;
+        n_valid = n_valid < 0 ? 0 : (n_valid > nk ? nk : n_valid);
+        ptrdiff_t n_skip = window > 0 ? limit + i * limit_step - window - j0 : 0;
+        n_skip = n_skip < 0 ? 0 : (n_skip > nk ? nk : n_skip);
+        FN(online_softmax_row_)(s + i * s_rs, nk,
+                                add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                                pad == NULL ? NULL : pad + j0, (int)n_skip, (int)n_valid,
+                                m + i, l + i, acc + i * dv, dv);
+    }
 }
 
 #undef VR
