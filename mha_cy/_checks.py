@@ -136,6 +136,10 @@ def check_attn_mask(mask, batch, heads, q_len, k_len, dtype):
         if arr.ndim == 3 and arr.shape[0] == batch * heads and heads > 1:
             hint = (" (PyTorch's (B * num_heads, Lq, Lk) layout: reshape it to "
                     "(B, num_heads, Lq, Lk))")
+        elif arr.ndim == 3 and arr.shape[0] == heads and heads > 1:
+            hint = (" (torch's scaled_dot_product_attention broadcasts a 3-D mask as "
+                    "(num_heads, Lq, Lk): for a mask per head, reshape it to "
+                    "(1, num_heads, Lq, Lk))")
         raise ValueError(f"attn_mask of shape {arr.shape} does not fit {names} = {expected} "
                          f"(each axis must equal that size or be 1){hint}")
     return arr4

@@ -183,6 +183,11 @@ def test_pytorch_3d_mask_layout_gets_a_hint(mha):
         mha(X, attn_mask=np.zeros((2 * 4, 3, 3)))
     with pytest.raises(ValueError, match=r"PyTorch's .*reshape it to \(B, num_heads, Lq, Lk\)"):
         mha(X[:1], attn_mask=np.zeros((4, 3, 3), bool))
+    # torch's SDPA reads a 3-D mask per head (right-aligned broadcasting); here it is per
+    # sequence, so a per-head mask of a batch of 2 does not fit, and the error says how to
+    # write it
+    with pytest.raises(ValueError, match=r"reshape it to \(1, num_heads, Lq, Lk\)"):
+        mha(X, attn_mask=np.zeros((4, 3, 3), bool))
 
 
 def test_unbatched_padding_mask_shape(mha):
