@@ -11,6 +11,7 @@ import numpy as np
 
 from . import MultiHeadAttention, build_info, reference, threads
 from ._build_info import format_build_info
+from ._threads import MAX_NUM_THREADS
 
 # Agreement required between mha_cy and the NumPy baseline, relative to the output's scale.
 RTOL = {np.float32: 1e-4, np.float64: 1e-10}
@@ -49,8 +50,10 @@ def _parse_args(argv):
         parser.error(f"--heads ({args.heads}) must divide --embed-dim ({args.embed_dim})")
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         parser.error(f"--kv-heads ({args.kv_heads}) must be >= 1 and divide --heads ({args.heads})")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
+    if args.threads is not None and not 1 <= args.threads <= MAX_NUM_THREADS:
+        parser.error(f"--threads must be between 1 and {MAX_NUM_THREADS}")
+    if args.seed < 0:
+        parser.error("--seed must be >= 0")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args

@@ -63,7 +63,13 @@ class KVCache:
             (batch_size, "batch_size"), (num_kv_heads, "num_kv_heads"), (max_len, "max_len"),
             (head_dim, "head_dim")))
         self._format = fmt
-        self.key = np.zeros(shape, dtype=fmt.dtype)
+        try:
+            self.key = np.zeros(shape, dtype=fmt.dtype)
+        except ValueError:      # NumPy's "array is too big" names no argument
+            raise ValueError(
+                f"a KV cache of batch_size={shape[0]}, num_kv_heads={shape[1]}, "
+                f"max_len={shape[2]}, head_dim={shape[3]} ({fmt.dtype}) is too large to "
+                "allocate") from None
         self.value = np.zeros(shape, dtype=fmt.dtype)
         self.key_scale = self.value_scale = None
         if fmt.has_scales:

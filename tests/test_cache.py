@@ -279,6 +279,10 @@ def test_new_cache_arguments():
             mha.new_cache(bad, 4)
         with pytest.raises(exc, match="max_len"):
             mha.new_cache(1, bad)
+    # more elements than NumPy can address: the error names the sizes, not just "too big"
+    with pytest.raises(ValueError, match=r"batch_size=1000000000, .*max_len=1000000000, "
+                                         r".*too large"):
+        mha.new_cache(10**9, 10**9)
 
 
 def test_direct_construction_checks_its_sizes():

@@ -34,6 +34,8 @@ def test_main_job_exit_status_1_on_disagreement(capsys, monkeypatch):
     (["--kv-heads", "5"], "kv-heads"),
     (["--seq-len", "0"], "seq-len"),
     (["--threads", "0"], "threads"),
+    (["--threads", "100000"], "--threads must be between 1 and"),
+    (["--seed", "-1"], "--seed must be >= 0"),
 ])
 def test_main_job_rejects_bad_options(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
