@@ -101,15 +101,15 @@ def child(workload: str, impl_name: str, threads: int) -> dict:
         # then need nothing more
         gc.collect()
         reset = _reset_peak()
-        before = _rss_bytes()
+        setup_start = _rss_bytes()
         prepared = impl.prepare(w, data, threads)
+        setup_peak = _peak_rss_bytes()
 
         def one_call():
             args, kwargs = prepared.setup() if prepared.setup is not None else ((), {})
             gc.collect()
             return args, kwargs
 
-        setup_start, setup_peak = before, _peak_rss_bytes()
         result = {}
         for label in ("first", "steady"):
             args, kwargs = one_call()
