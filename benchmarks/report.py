@@ -91,7 +91,8 @@ def machine_line(data: dict) -> str:
              f"{threads} threads"]
     if roof:
         parts.append(f"roof: sgemm {roof['sgemm_gflops']:.0f} GFLOP/s, memory read {_mem_roof(roof):.0f} GB/s"
-                     + (f" (copy {roof['copy_gbps']:.0f} GB/s)" if "read_gbps" in roof else ""))
+                     + (f" (copy {roof['copy_gbps']:.0f} GB/s)" if "read_gbps" in roof else "")
+                     + (f", L3 {roof['l3_bytes'] / 2 ** 20:.0f} MiB" if roof.get("l3_bytes") else ""))
     v = mb.get("versions", {})
     parts.append(", ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "onnxruntime", "openvino") if k in v))
     bi = mb.get("mha_cy_build_info") or {}

@@ -91,10 +91,11 @@ class Workload:
     padding: bool = False  # key padding: last 25% of keys padded in the first half of the batch
     need_weights: bool = False  # "mha": also return the per-head weights (B, Hq, Lq, Lk)
     bound: str = "compute"
-    # > 1: the harness prepares this many copies of the workload (each with its own K/V, or
-    # its own cache) and the timed calls rotate over them, as a model's layers do: a working
-    # set larger than L3, so that a decode step reads DRAM rather than what the last call
-    # left in cache (bytes and flops stay per call)
+    # > 1: the harness prepares at least this many copies of the workload (each with its own
+    # K/V, or its own cache), and more where the L3 is large (roof.copies_beyond_l3), and the
+    # timed calls rotate over them, as a model's layers do: a working set several times the
+    # L3, so that a decode step reads DRAM rather than what the last call left in cache (bytes
+    # and flops stay per call)
     layers: int = 1
     cache_dtype: str = "float32"  # "decode": the KV cache's storage (new_cache(dtype=...))
     # "decode": tokens each sequence holds before the step (a ragged batch, prefilled with
@@ -197,33 +198,33 @@ WORKLOADS: dict[str, Workload] = {
                              "tokens + the new one, batch 4, 32 query heads, 8 KV heads"),
         Workload("decode_dram", "sdpa", B=4, Lq=1, Lk=2048, E=4096, Hq=32, Hkv=8, D=128,
                  bound="memory", layers=8,
-                 description="decode_gqa over 8 caches in turn (8 x 64 MiB: far beyond L3): "
+                 description="decode_gqa over 8 or more caches in turn (3 x L3 or more): "
                              "the step's DRAM read rate"),
         Workload("decode_mqa_32k", "sdpa", B=1, Lq=1, Lk=32768, E=1024, Hq=8, Hkv=1, D=128,
                  bound="memory", layers=8,
                  description="one sequence, 8 query heads over one K/V head of 32k tokens "
-                             "(32 MiB), 8 such caches in turn: split-K must keep every core "
+                             "(32 MiB), 8 or more such caches in turn: split-K must keep every core "
                              "streaming"),
         *[Workload(f"decode_cache_{short}", "decode", B=4, Lq=1, Lk=2048, E=256, Hq=32,
                    Hkv=8, D=128, bound="memory", cache_dtype=dtype, layers=8,
                    description=f"one decode step over a {dtype} KV cache "
                                f"(new_cache(dtype=...)) of 2047 tokens + the new one, batch 4, "
                                "32 query / 8 KV heads, head_dim 128; d_model 256 so that the "
-                               "cache, not the weights, is read; 8 such caches in turn")
+                               "cache, not the weights, is read; 8 or more such caches in turn")
           for short, dtype in (("f32", "float32"), ("f16", "float16"), ("int8", "int8"))],
         Workload("decode_ragged", "decode", B=4, Lq=1, Lk=2048, E=256, Hq=32, Hkv=8, D=128,
                  bound="memory", layers=8, lengths=(2047, 1500, 1000, 512),
                  description="one decode step of a ragged batch: 4 sequences holding 2047, 1500, "
                              "1000 and 512 tokens of a 2048-token cache (prefilled with lengths=), "
                              "each appends at its own position and reads only its own tokens; "
-                             "32 query / 8 KV heads, head_dim 128, d_model 256; 8 such caches in "
-                             "turn"),
+                             "32 query / 8 KV heads, head_dim 128, d_model 256; 8 or more such "
+                             "caches in turn"),
         Workload("decode_window", "decode", B=1, Lq=1, Lk=8192, E=256, Hq=32, Hkv=8, D=128,
                  bound="memory", layers=8, window=4096,
                  description="one decode step with a 4096-token sliding window (Mistral) over a "
                              "cache of 8191 tokens + the new one: only the window's keys are "
                              "read (32 of 64 MiB); 32 query / 8 KV heads, head_dim 128, "
-                             "d_model 256; 8 such caches in turn"),
+                             "d_model 256; 8 or more such caches in turn"),
         Workload("decode_small", "decode", B=1, Lq=1, Lk=17, E=64, Hq=4, Hkv=4, D=16,
                  description="one decode step of a small layer (d_model 64, 4 heads) over 16 "
                              "cached tokens: the per-call cost of a step"),
