@@ -2,7 +2,7 @@
  * (type, ISA). Defines needed: REAL, SUFFIX (type), PR (rows per panel), ISA (name suffix),
  * ISA_TARGET (a gcc target attribute, or nothing), VEC (a GCC vector type of REALs as wide as
  * that ISA's registers), VEC_U (the same, unaligned and may alias REAL), NV (vectors per panel
- * row: PR = NV * lanes of VEC), NB_MAX (weight rows per register block, <= 8: NB_MAX x NV
+ * row: PR = NV * lanes of VEC), NB_MAX (weight rows per register block, <= 12: NB_MAX x NV
  * accumulators must fit the ISA's registers with room for the loads), NB_HALF (weight rows
  * per block of a half panel, <= 12, with NV / 2 vectors a row; 0: no half panels). */
 
@@ -90,6 +90,10 @@ FN(row_panel_gemm_)(const REAL *packed, ptrdiff_t m, ptrdiff_t k, const REAL *w,
         for (; j + NB_MAX <= j1; j += NB_MAX)
             FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, NB_MAX, NV);
         switch (j1 - j) {           /* the last < NB_MAX weight rows */
+        case 11: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 11, NV); break;
+        case 10: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 10, NV); break;
+        case 9: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 9, NV); break;
+        case 8: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 8, NV); break;
         case 7: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 7, NV); break;
         case 6: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 6, NV); break;
         case 5: FN(block_)(panel, rows, k, w, ldw, bias, oi, ldo, ro, j, 5, NV); break;
