@@ -6,8 +6,9 @@
  * (k-major: panel[k][r] = x[r][k]), which costs m * k, nothing next to the m * n * k product;
  * the weight is read in place, in its nn.Linear layout (n rows of k), so there is no packed
  * copy of it to go stale when the user edits the weights. The micro-kernel holds a block of
- * 6 weight rows x one panel in registers: per k it broadcasts 6 weight values and multiplies
- * them by the panel's row of x (one vector of 16 floats on AVX-512, two on AVX2). On AVX2 a
+ * weight rows x panels in registers: per k it broadcasts each weight row's value and multiplies
+ * it by the panels' rows of x (AVX2: 6 weight rows x one panel, two vectors of 8 floats;
+ * AVX-512: 12 weight rows x two panels, a vector of 16 floats each). On AVX2 a
  * last panel of at most half its rows (8 floats, 4 doubles) runs a half-width kernel instead,
  * one vector against 12 weight rows: the padding rows of a whole panel cost as much as real
  * ones.

@@ -205,6 +205,36 @@ def test_half_panels_change_no_bit(rng, dtype, tail):
                                    atol=1e-4 if dtype == np.float32 else 1e-12)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_panel_blocks_change_no_bit(rng, dtype):
+    """At AVX-512 the micro-kernel runs two panels a register block (a last one alone, or
+    with a padded partner): every row equals the same row computed in a call of one panel,
+    bit for bit, with or without a bias, on 1 and 2 threads (small_gemm, which would take a
+    call of 8 float64 rows, is off)."""
+    K, N = 70, 101
+    panel = 16 if dtype == np.float32 else 8
+    x = rng.standard_normal((5 * panel, K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    previous = _linear_kernel._set_small_gemm_rule(0, 0)
+    try:
+        _compare_two_panel_blocks(x, w, rng.standard_normal(N).astype(dtype), panel)
+    finally:
+        _linear_kernel._set_small_gemm_rule(*previous)
+
+
+def _compare_two_panel_blocks(x, w, bias, panel):
+    N, dtype = len(w), x.dtype
+    for b in (None, bias):
+        alone = np.empty((len(x), N), dtype)
+        for r0 in range(0, len(x), panel):       # each panel in a call of its own
+            linear(np.ascontiguousarray(x[r0:r0 + panel]), w, b, alone[r0:r0 + panel], 1)
+        for m in (panel + 1, 2 * panel - 1, 2 * panel, 3 * panel, 4 * panel + 3, 5 * panel):
+            for threads in (1, 2):
+                part = np.empty((m, N), dtype)
+                linear(np.ascontiguousarray(x[:m]), w, b, part, threads)
+                np.testing.assert_array_equal(part, alone[:m], err_msg=f"{m} rows, {threads}")
+
+
 def test_linear_heads_rejects_inconsistent_shapes():
     x, w = np.ones((6, 4)), np.ones((8, 4))
     for out in (np.empty((2, 2, 2, 4)), np.empty((2, 4, 3, 4)), np.empty((2, 2, 3, 2))):
