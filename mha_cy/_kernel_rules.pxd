@@ -58,7 +58,7 @@ cdef enum:
     COL_ALIGN = 16
     ROW_ALIGN = 8
     # The column tiles of the paths without BLAS are multiples of 48: whole register blocks of
-    # weight rows for every micro-kernel (row panels: 6 on AVX2, 8 on AVX-512; small_gemm: 8,
+    # weight rows for every micro-kernel (row panels: 6 on AVX2, 12 on AVX-512; small_gemm: 8,
     # 6, 4 or 3), 16 floats too. A tile of 32 columns ended in a block of 2 (4 independent FMA
     # chains, a third of the rate): Zen 2, one thread, 32 x 384 -> 1152 in tiles of 32 / 48
     # columns 91.4 / 99.5 GFLOP/s. Each output's chain of FMAs is the same in any block.

@@ -15,6 +15,7 @@
 #define MHA_PANEL_DISPATCH 1
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#include "transpose_store_avx512.h"
 #endif
 
 /* A vector type of BYTES bytes and its unaligned, aliasing twin for loads from the panels. */
@@ -33,7 +34,11 @@ MHA_VECTOR_TYPES(double, 64, mha_f64_v64);
 #define SUFFIX f32
 #define PR MHA_PANEL_ROWS_F32
 #define VTYPE(bytes) mha_f32_v##bytes
+#ifdef MHA_PANEL_DISPATCH
+#define PANEL_STORE_ROWS_AVX512 mha_store_rows_f32_avx512
+#endif
 #include "row_panel_gemm_isas.h"
+#undef PANEL_STORE_ROWS_AVX512
 #undef REAL
 #undef SUFFIX
 #undef PR

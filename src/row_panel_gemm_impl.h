@@ -5,7 +5,8 @@
  * row: PR = NV * lanes of VEC), NB_MAX (weight rows per register block, <= 12: NB_MAX x NV
  * accumulators must fit the ISA's registers with room for the loads), NB_HALF (weight rows
  * per block of a half panel, <= 12, with NV / 2 vectors a row; 0: no half panels), NP_MAX
- * (panels per register block: 1, or 2 where the registers hold 2 x NB_MAX x NV accumulators). */
+ * (panels per register block: 1, or 2 where the registers hold 2 x NB_MAX x NV accumulators);
+ * optional: STORE_ROWS, a function writing one vector a panel row (transpose_store_avx512.h). */
 
 #define MHA_CAT_(a, b) a##b
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
@@ -47,6 +48,19 @@ FN(block_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdif
                     acc[b][q * NVR + v] += wv * xp[q][v];
         }
     }
+#ifdef STORE_ROWS
+    if (NVR == 1) {           /* one vector a panel row: transposed in registers */
+        for (int q = 0; q < NP; q++) {
+            VEC sums[12];
+            for (int b = 0; b < NB; b++)
+                sums[b] = acc[b][q] + (bias != NULL ? bias[j + b] : 0);
+            ptrdiff_t rq = rows - q * PR < PR ? rows - q * PR : PR;
+            STORE_ROWS(sums, NB, rq, row_off != NULL ? out : out + q * PR * ldo, ldo,
+                       row_off != NULL ? row_off + q * PR : NULL, j);
+        }
+        return;
+    }
+#endif
     for (int b = 0; b < NB; b++) {
         REAL add = bias != NULL ? bias[j + b] : 0;
         REAL lanes[NP_MAX * PR];

@@ -1,7 +1,7 @@
 /* The micro-kernels of row_panel_gemm.c for one floating type, one per instruction set:
  * included once per type. Defines needed: REAL, SUFFIX, PR (rows per panel),
  * VTYPE(bytes), the name of the vector type of REALs of that many bytes (VTYPE(bytes)_u: its
- * unaligned twin).
+ * unaligned twin); optional: PANEL_STORE_ROWS_AVX512, the AVX-512 kernel's output step.
  * NB_MAX: weight rows per register block, so that NB_MAX x NV accumulators leave room for the
  * loads in the ISA's registers. */
 
@@ -69,7 +69,12 @@ ptrdiff_t MHA_CAT3(mha_row_panels_size_, SUFFIX, )(ptrdiff_t m, ptrdiff_t k)
  * 1152 109-112 -> 126-131; 4096, 768 -> 2304 107-120 -> 132-138 (207-236 -> 255-267). BLAS's
  * one sgemm of the same shape: 119-128, 154-158 at 4096 rows; this core's FMA peak ~217. */
 #define NP_MAX 2          /* 24 of the 32 AVX-512 registers */
+#ifdef PANEL_STORE_ROWS_AVX512
+#define STORE_ROWS(sums, nb, rows, out, ldo, row_off, j)                                     \
+    PANEL_STORE_ROWS_AVX512((const __m512 *)(sums), nb, rows, out, ldo, row_off, j)
+#endif
 #include "row_panel_gemm_impl.h"
+#undef STORE_ROWS
 #undef ISA
 #undef ISA_TARGET
 #undef VEC
