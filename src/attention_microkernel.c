@@ -10,8 +10,10 @@
 
 /* The masks and the online softmax of a row are attention_tile.c's (softmax_row_impl.h,
  * inlined), shared with the BLAS path (the same mask and NaN semantics). */
-#define RB 6           /* query rows per register block of the packed kernel: 6 x 2 vectors of
-                          sums, 12 of the 16 ymm registers on AVX2 */
+/* Query rows per register block of the packed kernel: with 2 vectors of sums a row, 6 rows take
+ * 12 of AVX2's 16 registers; AVX-512's 32 hold 12 rows (attention_microkernel_impl.h: RB). */
+#define RB_NARROW 6
+#define RB_WIDE 12
 #define DRB_WIDE 8     /* the most query rows per block of the direct kernel (its DRB: 8 at
                           AVX-512, 4 below) */
 

@@ -195,6 +195,24 @@ def test_threads_bitwise_equal(rng, fused, dtype, case):
         np.testing.assert_array_equal(other, results[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_blocks_change_no_bit(rng, fused, dtype):
+    """The packed kernel runs blocks of 12 query rows at AVX-512 (6 below) and a last block of
+    what is left: a row's output is the same bits whatever block it falls in (each score one
+    chain over d, each output one chain over the keys), for every tail length."""
+    previous = _attention_kernel._set_fused_direct(0, 0)     # every task on the packed kernel
+    try:
+        q = normal(rng, (1, 2, 40, 48), dtype)
+        k, v = normal(rng, (1, 2, 100, 48), dtype), normal(rng, (1, 2, 100, 48), dtype)
+        whole = mha_cy.scaled_dot_product_attention(q, k, v)
+        assert_close(whole, reference.scaled_dot_product_attention(q, k, v), dtype)
+        for n in range(1, 40):
+            part = mha_cy.scaled_dot_product_attention(np.ascontiguousarray(q[:, :, :n]), k, v)
+            np.testing.assert_array_equal(part, whole[:, :, :n], err_msg=f"{n} rows")
+    finally:
+        _attention_kernel._set_fused_direct(*previous)
+
+
 @pytest.fixture(params=[0, 8], ids=["packed", "direct"])
 def fused_variant(request):
     """The fused kernel with tasks of <= 8 rows on its direct variant (no packed keys) or
