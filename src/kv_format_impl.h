@@ -18,6 +18,19 @@ typedef float VEC __attribute__((vector_size(W * sizeof(float)), aligned(sizeof(
 typedef signed char FN(kvbytes_) __attribute__((vector_size(W), aligned(1), may_alias));
 typedef int FN(kvmask_) __attribute__((vector_size(W * sizeof(float))));
 
+/* The P V products' vectors: the widest of the SIMD level (512-bit at AVX-512). Each lane is
+ * its own sum over the keys, so the width changes no bit (output hash of f16 / int8 prefill
+ * and decode calls, head dims 24-128, unchanged); the scores stay 256-bit, their lanes are
+ * partial sums of one dot product (a width of their own would move its bits). Intel Xeon, a
+ * hot decode step (4 x 1 over 1024 cached, 32 / 8 heads, D 128), min of 4 interleaved runs,
+ * 256 -> 512-bit, 1 thread (2): float16 1762 -> 1649 us (935 -> 828), int8 1662 -> 1492 (901
+ * -> 839); from DRAM (decode_cache_*) within the noise. Not measured on Zen 4, which splits a
+ * 512-bit operation in two (its 512-bit score products had made float16 slower). */
+#define WP (MHA_ISA_WIDE_BYTES / (int)sizeof(float))
+#define VECP FN(kvvecp_)
+typedef float VECP __attribute__((vector_size(WP * sizeof(float)), aligned(sizeof(float)),
+                                  may_alias));
+
 /* Stored values i .. i + 7 of `base` as floats (int8: unscaled). */
 static inline __attribute__((always_inline)) VEC FN(kv_load8_)(const int fmt, const void *base,
                                                                 ptrdiff_t i)
@@ -46,6 +59,21 @@ static inline __attribute__((always_inline)) float FN(kv_load1_)(const int fmt,
     if (fmt == MHA_KV_F16)
         return mha_half_to_float(((const uint16_t *)base)[i]);
     return (float)((const signed char *)base)[i];
+}
+
+/* Stored values i .. i + WP - 1 of `base` as floats (int8: unscaled). */
+static inline __attribute__((always_inline)) VECP FN(kv_loadp_)(const int fmt, const void *base,
+                                                                 ptrdiff_t i)
+{
+#if MHA_ISA_WIDE_BYTES == 64
+    if (fmt == MHA_KV_F16)
+        return (VECP)_mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
+    return (VECP)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)((const signed char *)base + i))));
+#else
+    return FN(kv_load8_)(fmt, base, i);
+#endif
 }
 
 static inline __attribute__((always_inline)) void
@@ -222,12 +250,12 @@ static void FN(kv_pv_exact_)(const int fmt, int M, const float *s, int nk, const
 }
 
 /* Whether every lane of the M x n vectors is finite (x - x is NaN for inf and NaN). */
-static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, const VEC *a)
+static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, const VECP *a)
 {
-    VEC bad = (VEC){0};
+    VECP bad = (VECP){0};
     for (int i = 0; i < M; i++)
         bad += a[i] - a[i];
-    for (int t = 0; t < W; t++)
+    for (int t = 0; t < WP; t++)
         if (bad[t] != 0 || bad[t] != bad[t])
             return 0;
     return 1;
@@ -242,14 +270,14 @@ static inline __attribute__((always_inline)) void
 FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int nk,
                  const void *v, ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0)
 {
-    VEC a[8];
+    VECP a[8];
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
-            a[i * NV + c] = *(VEC *)(acc + i * dv + e0 + c * W);
+            a[i * NV + c] = *(VECP *)(acc + i * dv + e0 + c * WP);
     for (ptrdiff_t j = 0; j < nk; j++) {
-        VEC b[8];
+        VECP b[8];
         for (int c = 0; c < NV; c++)
-            b[c] = FN(kv_load8_)(fmt, v, j * v_rs + e0 + c * W);
+            b[c] = FN(kv_loadp_)(fmt, v, j * v_rs + e0 + c * WP);
         for (int i = 0; i < M; i++) {
             float p = s[i * NK + j];
             for (int c = 0; c < NV; c++)
@@ -257,12 +285,12 @@ FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int n
         }
     }
     if (!FN(kv_finite_)(M * NV, a)) {
-        FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e0, e0 + NV * W);
+        FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e0, e0 + NV * WP);
         return;
     }
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
-            *(VEC *)(acc + i * dv + e0 + c * W) = a[i * NV + c];
+            *(VECP *)(acc + i * dv + e0 + c * WP) = a[i * NV + c];
 }
 
 /* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M and every e. */
@@ -272,20 +300,20 @@ FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, pt
 {
     const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
     ptrdiff_t e = 0;
-    for (; e + NV * W <= dv; e += NV * W)
+    for (; e + NV * WP <= dv; e += NV * WP)
         FN(kv_pv_panel_)(fmt, M, NV, s, nk, v, v_rs, acc, dv, e);
     /* the columns left, in narrower panels (each as many chains as it can have) */
-    if (NV > 4 && e + 4 * W <= dv) {
+    if (NV > 4 && e + 4 * WP <= dv) {
         FN(kv_pv_panel_)(fmt, M, 4, s, nk, v, v_rs, acc, dv, e);
-        e += 4 * W;
+        e += 4 * WP;
     }
-    if (NV > 2 && e + 2 * W <= dv) {
+    if (NV > 2 && e + 2 * WP <= dv) {
         FN(kv_pv_panel_)(fmt, M, 2, s, nk, v, v_rs, acc, dv, e);
-        e += 2 * W;
+        e += 2 * WP;
     }
-    if (e + W <= dv) {
+    if (e + WP <= dv) {
         FN(kv_pv_panel_)(fmt, M, 1, s, nk, v, v_rs, acc, dv, e);
-        e += W;
+        e += WP;
     }
     if (e < dv)
         FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
@@ -391,6 +419,8 @@ void FN(mha_kv_attend_direct_i8_)(const float *q, ptrdiff_t q_rs, int rows, int 
 }
 
 #undef VEC
+#undef VECP
+#undef WP
 #undef NK
 #undef W
 #undef FN
