@@ -9,7 +9,7 @@
  * them: attention_microkernel_impl.h's RB) get their scores from FMAs over the packed tile
  * (vectorized over keys), the masks and the online softmax of attention_tile.c (the same
  * function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
- * broadcast against the contiguous rows of V; a block's scores live in a 6 x keys L1 buffer.
+ * broadcast against the contiguous rows of V; a block's scores live in a rows x keys L1 buffer.
  * 6 rows x 16 keys = 12 ymm accumulators (no spills on AVX2) against 8 with blocks of 4 rows
  * measured (Zen 1, float32, SDPA, same run, 1 / 2 threads), blocks of 4 -> 6 rows:
  *   (1, 8, 4096, 64) causal          20.4 -> 26.0 / 41.0 -> 49.9 GFLOP/s
