@@ -32,6 +32,7 @@ from ._kernel_rules cimport (LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_til
                              column_tile_grid)
 from ._openmp_helpers cimport mha_omp_barrier
 from ._panels cimport pack_panel
+from ._aligned cimport malloc_lines
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
 # every row count, since single-threaded OpenBLAS tiles are unreliable here. OpenBLAS 0.3.30
@@ -218,9 +219,9 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             o_ptr, ldo = tmp, N
     if panels:
         if floating is float:
-            packed = <floating *> malloc(mha_row_panels_size_f32(M, K) * sizeof(floating))
+            packed = <floating *> malloc_lines(mha_row_panels_size_f32(M, K) * sizeof(floating))
         else:
-            packed = <floating *> malloc(mha_row_panels_size_f64(M, K) * sizeof(floating))
+            packed = <floating *> malloc_lines(mha_row_panels_size_f64(M, K) * sizeof(floating))
         if packed == NULL:
             free(row_off)
             raise MemoryError("linear: could not allocate the packed rows of x")

@@ -61,6 +61,7 @@ import numpy as np
 from . import _attention_kernel, _linear_kernel
 from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
 from ._panels cimport pack_panel
+from ._aligned cimport malloc_lines
 from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64,
                           mha_small_gemm_f32, mha_small_gemm_f64,
                           mha_row_panels_size_f32, mha_row_panels_size_f64,
@@ -140,9 +141,9 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
             mha_small_gemm_f64(x, k, w, k, bias, out, n, m, n, k)
         return 0
     if floating is float:
-        packed = <floating *> malloc(mha_row_panels_size_f32(m, k) * sizeof(floating))
+        packed = <floating *> malloc_lines(mha_row_panels_size_f32(m, k) * sizeof(floating))
     else:
-        packed = <floating *> malloc(mha_row_panels_size_f64(m, k) * sizeof(floating))
+        packed = <floating *> malloc_lines(mha_row_panels_size_f64(m, k) * sizeof(floating))
     if packed == NULL:
         return -1
     if floating is float:
@@ -417,7 +418,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             packed_size = max(mha_row_panels_size_f64(rows, s.embed),
                               mha_row_panels_size_f64(rows, n_q))
     cdef floating *buf = <floating *> malloc(
-        (qkv_size + ctx_size + rope_size + packed_size + team * task_size + 16)
+        (qkv_size + ctx_size + rope_size + packed_size + team * task_size + 32)
         * sizeof(floating))
     cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
     if buf == NULL or positions == NULL:
@@ -428,7 +429,9 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *ctx = qkv + qkv_size
     cdef floating *cos = ctx + ctx_size
     cdef floating *sin = cos + s.length * s.half
+    # the panels start on a cache line (_aligned.pxd: no vector load across two lines)
     cdef floating *packed = sin + s.length * s.half
+    packed = packed + ((64 - (<size_t> packed) % 64) % 64) // sizeof(floating)
     # the threads' task blocks start on a 64-byte boundary (no shared cache lines)
     cdef floating *tasks = packed + packed_size
     tasks = tasks + ((64 - (<size_t> tasks) % 64) % 64) // sizeof(floating)
