@@ -32,6 +32,7 @@ from cython.parallel cimport parallel, prange
 
 import numpy as np
 
+from ._aligned cimport malloc_lines
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64,
                           mha_softmax_row_f32, mha_softmax_row_f64, mha_finish_row_f32,
@@ -857,7 +858,7 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     cdef floating *parts = NULL
     cdef floating *acc
     if n_parts > 1:
-        parts = <floating *> malloc(n_tasks * n_parts * part_size * sizeof(floating))
+        parts = <floating *> malloc_lines(n_tasks * n_parts * part_size * sizeof(floating))
         if parts == NULL:
             raise MemoryError("attention: could not allocate the split-K partial results")
 
@@ -875,9 +876,9 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     with nogil, parallel(num_threads=team):
         # per-thread scratch: one score tile, the accumulators, running max and sum, the
         # saved accumulators, the converted tiles
-        scratch = <floating *> malloc((tile_size + max_rows * (p.dv + 2) + saved_size
-                                       + conv_size)
-                                      * sizeof(floating))
+        # (from a cache line: the packed keys are read in whole vectors, _aligned.pxd)
+        scratch = <floating *> malloc_lines((tile_size + max_rows * (p.dv + 2) + saved_size
+                                             + conv_size) * sizeof(floating))
         if scratch == NULL:
             failed_ptr[0] = 1
         # every thread must reach the worksharing loop, even one without scratch
