@@ -15,3 +15,10 @@ cdef inline void *malloc_lines(size_t size) noexcept nogil:
     if posix_memalign(&p, CACHE_LINE_BYTES, size if size > 0 else 1) != 0:
         return NULL
     return p
+
+
+cdef inline Py_ssize_t line_round(Py_ssize_t n, size_t itemsize) noexcept nogil:
+    """n items of itemsize bytes (a power of two, at most a line) rounded up to whole lines:
+    the next section of a buffer that starts on a line starts on one too."""
+    cdef Py_ssize_t per_line = CACHE_LINE_BYTES // itemsize
+    return (n + per_line - 1) // per_line * per_line

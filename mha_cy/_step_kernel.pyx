@@ -61,7 +61,7 @@ import numpy as np
 from . import _attention_kernel, _linear_kernel
 from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
 from ._panels cimport pack_panel
-from ._aligned cimport malloc_lines
+from ._aligned cimport line_round, malloc_lines
 from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64,
                           mha_small_gemm_f32, mha_small_gemm_f64,
                           mha_row_panels_size_f32, mha_row_panels_size_f64,
@@ -404,8 +404,11 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     s.start. cache_k, cache_v: the storage in the format s.kv_fmt (int8: with k_scale,
     v_scale)."""
     cdef Py_ssize_t rows = s.batch * s.length, n_q = s.heads * s.d
-    cdef Py_ssize_t qkv_size = rows * s.n_in, ctx_size = rows * n_q
-    cdef Py_ssize_t rope_size = 2 * s.length * s.half
+    # each section a whole number of cache lines (the buffer starts on one: every section
+    # does, and the attention kernel reads its q, k, v rows in whole vectors)
+    cdef Py_ssize_t qkv_size = line_round(rows * s.n_in, sizeof(floating))
+    cdef Py_ssize_t ctx_size = line_round(rows * n_q, sizeof(floating))
+    cdef Py_ssize_t rope_size = 2 * line_round(s.length * s.half, sizeof(floating))
     cdef Py_ssize_t task_size = _task_scratch_size(s, floating is double)
     # the team's projections pack x (and then ctx) into panels shared by its tiles; one
     # thread packs inside _linear
@@ -417,8 +420,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         else:
             packed_size = max(mha_row_panels_size_f64(rows, s.embed),
                               mha_row_panels_size_f64(rows, n_q))
-    cdef floating *buf = <floating *> malloc(
-        (qkv_size + ctx_size + rope_size + packed_size + team * task_size + 32)
+    cdef floating *buf = <floating *> malloc_lines(
+        (qkv_size + ctx_size + rope_size + packed_size + team * task_size + 16)
         * sizeof(floating))
     cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
     if buf == NULL or positions == NULL:
@@ -428,10 +431,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *qkv = buf
     cdef floating *ctx = qkv + qkv_size
     cdef floating *cos = ctx + ctx_size
-    cdef floating *sin = cos + s.length * s.half
-    # the panels start on a cache line (_aligned.pxd: no vector load across two lines)
-    cdef floating *packed = sin + s.length * s.half
-    packed = packed + ((64 - (<size_t> packed) % 64) % 64) // sizeof(floating)
+    cdef floating *sin = cos + rope_size // 2
+    cdef floating *packed = cos + rope_size
     # the threads' task blocks start on a 64-byte boundary (no shared cache lines)
     cdef floating *tasks = packed + packed_size
     tasks = tasks + ((64 - (<size_t> tasks) % 64) % 64) // sizeof(floating)
