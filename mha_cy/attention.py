@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from . import _attention_kernel, _linear_kernel, _rope_kernel, _step_kernel
+from ._aligned_arrays import empty_lines
 from ._cache import KVCache
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
@@ -174,7 +175,7 @@ def _linear_heads(x, weight, bias, heads, head_dim, n_threads):
     """(B, L, in) @ weight.T + bias split into heads: a C-contiguous (B, heads, L, head_dim)
     array (each head's rows contiguous, as the attention kernel reads them fastest)."""
     batch, length, _ = x.shape
-    out = np.empty((batch, heads, length, head_dim), dtype=x.dtype)
+    out = empty_lines((batch, heads, length, head_dim), x.dtype)   # rows read in whole vectors
     _linear_kernel.linear_heads(_token_rows(x), weight, bias, out, n_threads)
     return out
 
