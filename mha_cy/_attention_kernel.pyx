@@ -258,9 +258,9 @@ cdef inline Py_ssize_t _fused_scratch(const Problem *p, bint fused, floating dum
     if not fused:
         return 0
     if floating is float:
-        return mha_fused_scratch_f32(<int> p.d)
+        return mha_fused_scratch_f32(<int> p.d, <int> p.dv)
     else:
-        return mha_fused_scratch_f64(<int> p.d)
+        return mha_fused_scratch_f64(<int> p.d, <int> p.dv)
 
 
 cdef inline void _causal_limit(const Problem *p, const Task *task, Py_ssize_t k_end,

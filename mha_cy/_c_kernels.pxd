@@ -58,8 +58,8 @@ cdef extern from "attention_tile.h" nogil:
 
 cdef extern from "attention_microkernel.h" nogil:
     int MHA_FUSED_MAX_HEAD_DIM
-    Py_ssize_t mha_fused_scratch_f32(int d)
-    Py_ssize_t mha_fused_scratch_f64(int d)
+    Py_ssize_t mha_fused_scratch_f32(int d, int dv)
+    Py_ssize_t mha_fused_scratch_f64(int d, int dv)
     void mha_fused_attend_f32(const float *q, Py_ssize_t q_rs, int rows, int d,
                               const float *k, Py_ssize_t k_rs, const float *v, Py_ssize_t v_rs,
                               int dv, Py_ssize_t k_begin, Py_ssize_t k_end, float scale,

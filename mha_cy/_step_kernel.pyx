@@ -352,8 +352,8 @@ cdef void _attend_task(const Step *s, Py_ssize_t t, const int64_t *starts,
 cdef inline Py_ssize_t _work_size(const Step *s, bint is_double) noexcept nogil:
     """Elements of the fused (or stored-format direct) kernel's work buffer."""
     if is_double:
-        return mha_fused_scratch_f64(<int> s.d)
-    cdef Py_ssize_t size = mha_fused_scratch_f32(<int> s.d)
+        return mha_fused_scratch_f64(<int> s.d, <int> s.d)
+    cdef Py_ssize_t size = mha_fused_scratch_f32(<int> s.d, <int> s.d)
     if s.kv_fmt != 0:
         size = max(size, mha_kv_direct_scratch())
     return size

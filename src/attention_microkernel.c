@@ -1,6 +1,7 @@
 /* Fused attention tile kernel: see attention_microkernel.h. */
 
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "attention_microkernel.h"
@@ -61,6 +62,6 @@ DEFINE_DISPATCH(float, f32, mha_fused_attend_)
 DEFINE_DISPATCH(double, f64, mha_fused_attend_)
 DEFINE_DISPATCH(float, f32, mha_fused_attend_direct_)
 DEFINE_DISPATCH(double, f64, mha_fused_attend_direct_)
-ptrdiff_t mha_fused_scratch_f32(int d) { return mha_fused_scratch_f32_base(d); }
-ptrdiff_t mha_fused_scratch_f64(int d) { return mha_fused_scratch_f64_base(d); }
+ptrdiff_t mha_fused_scratch_f32(int d, int dv) { return mha_fused_scratch_f32_base(d, dv); }
+ptrdiff_t mha_fused_scratch_f64(int d, int dv) { return mha_fused_scratch_f64_base(d, dv); }
 #endif

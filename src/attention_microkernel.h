@@ -75,9 +75,10 @@ extern "C" {
 /* Head dims (D and Dv) up to which the fused kernel beats BLAS (above: see the crossover). */
 #define MHA_FUSED_MAX_HEAD_DIM 256
 
-/* Scratch (in elements) that mha_fused_attend_* needs for head dimension d. */
-ptrdiff_t mha_fused_scratch_f32(int d);
-ptrdiff_t mha_fused_scratch_f64(int d);
+/* Scratch (in elements) that mha_fused_attend_* needs for head dimensions d (keys) and dv
+ * (values). */
+ptrdiff_t mha_fused_scratch_f32(int d, int dv);
+ptrdiff_t mha_fused_scratch_f64(int d, int dv);
 
 /* Online-softmax attention of `rows` query rows to the keys [k_begin, k_end).
  * q          row r at q + r * q_rs, d values
@@ -90,7 +91,7 @@ ptrdiff_t mha_fused_scratch_f64(int d);
  *            window); 0: no window. Row blocks whose windows all miss a tile skip it.
  * m, l, acc  running max, sum and output accumulator (rows x dv, row stride dv) of each row,
  *            as in mha_online_softmax_row_*: start at -inf, 0, 0; finish with acc / l
- * work       mha_fused_scratch_*(d) elements
+ * work       mha_fused_scratch_*(d, dv) elements, from a cache line (64 bytes)
  * The order of every sum depends only on the shapes (deterministic for any thread count). */
 void mha_fused_attend_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
                           const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs, int dv,
@@ -109,7 +110,7 @@ void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
 
 /* The same without packing the keys (the direct kernel): for tasks of few rows (decode),
  * where packing each key tile costs more than the scores it serves. Same arguments; work:
- * mha_fused_scratch_*(d) elements too. Used for tasks of at most MHA_FUSED_DIRECT_MAX_ROWS
+ * mha_fused_scratch_*(d, dv) elements too. Used for tasks of at most MHA_FUSED_DIRECT_MAX_ROWS
  * rows (see the crossover above). */
 #define MHA_FUSED_DIRECT_MAX_ROWS 8
 #define MHA_FUSED_DIRECT_MIN_HEAD_DIM 32   /* (tasks of one row: any head dim) */

@@ -76,7 +76,7 @@ void mha_kv_load_i8_f32(const int8_t *src, ptrdiff_t src_rs, const float *scale,
  * values) and run through mha_fused_attend_f32 (attention_microkernel.h), its key counts
  * shifted to the tile. The other arguments are mha_kv_attend_direct_*'s, k and v pointing at
  * the head's key 0 (fmt: MHA_KV_F16 or MHA_KV_I8; the scales NULL for float16); work:
- * max(mha_kv_direct_scratch(), mha_fused_scratch_f32(d)) floats. Shared by the general
+ * max(mha_kv_direct_scratch(), mha_fused_scratch_f32(d, dv)) floats. Shared by the general
  * attention kernel and the compiled step, so both give the same bits. */
 void mha_kv_attend_f32(int fmt, int direct, const float *q, ptrdiff_t q_rs, int rows, int d,
                        const void *k, ptrdiff_t k_rs, const float *k_scale, const void *v,

@@ -3,7 +3,8 @@ the projections' head outputs of the general path. Alignment changes speed only,
 import numpy as np
 import pytest
 
-from mha_cy import attention
+import mha_cy
+from mha_cy import attention, reference
 from mha_cy._aligned_arrays import CACHE_LINE_BYTES, empty_lines
 
 
@@ -38,3 +39,36 @@ def test_projection_heads_start_on_a_line_and_equal_the_product(dtype):
     expected = (x @ w.T + b).reshape(2, 37, 12, 16).transpose(0, 2, 1, 3)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(heads, expected, rtol=tol, atol=tol)
+
+
+def _at_offset(a, offset):
+    """A copy of a whose data starts `offset` bytes past a cache line."""
+    raw = np.empty(a.nbytes + 2 * CACHE_LINE_BYTES, dtype=np.uint8)
+    start = -_address(raw) % CACHE_LINE_BYTES + offset
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dv", [64, 24, 80])
+@pytest.mark.parametrize("non_finite", [False, True])
+def test_value_rows_off_cache_lines_give_the_same_bits(dtype, dv, non_finite):
+    # tasks of more rows than one register block copy V rows that start off a cache line
+    # onto lines (attention_microkernel_impl.h): the values, hence the bits, are the same
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 3, 100, 32)).astype(dtype)
+    k = rng.standard_normal((1, 3, 150, 32)).astype(dtype)
+    v = rng.standard_normal((1, 3, 150, dv)).astype(dtype)
+    if non_finite:                  # that tile's columns take the exact path
+        v[0, 1, 70, 3] = np.inf
+    on_line = mha_cy.scaled_dot_product_attention(*(_at_offset(a, 0) for a in (q, k, v)))
+    item = np.dtype(dtype).itemsize
+    for offset in (16, item):
+        off_line = mha_cy.scaled_dot_product_attention(
+            *(_at_offset(a, offset) for a in (q, k, v)))
+        assert off_line.tobytes() == on_line.tobytes()
+    if not non_finite:
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(on_line, reference.scaled_dot_product_attention(q, k, v),
+                                   rtol=tol, atol=tol)
