@@ -360,14 +360,14 @@ cdef inline Py_ssize_t _work_size(const Step *s, bint is_double) noexcept nogil:
 
 
 cdef Py_ssize_t _task_scratch_size(const Step *s, bint is_double) noexcept nogil:
-    """Elements of one thread's task scratch (_attend_task), rounded up to 64 bytes so that
-    the threads' blocks share no cache line."""
+    """Elements of one thread's task scratch (_attend_task), rounded up to whole cache lines
+    so that the threads' blocks share none."""
     cdef Py_ssize_t task_rows = s.max_group if s.heads_as_rows else s.length
     cdef Py_ssize_t work = _work_size(s, is_double)
     # a stored format's converted key and value tiles, where the tasks take them
     cdef Py_ssize_t conv = 2 * s.block_k * s.d if s.kv_fmt != 0 and _any_tile_task(s) else 0
     cdef Py_ssize_t size = task_rows * (s.d + 2) + work + conv
-    return (size + 15) // 16 * 16
+    return line_round(size, sizeof(double) if is_double else sizeof(float))
 
 
 cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t tile_rows,
@@ -420,9 +420,9 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         else:
             packed_size = max(mha_row_panels_size_f64(rows, s.embed),
                               mha_row_panels_size_f64(rows, n_q))
+    packed_size = line_round(packed_size, sizeof(floating))
     cdef floating *buf = <floating *> malloc_lines(
-        (qkv_size + ctx_size + rope_size + packed_size + team * task_size + 16)
-        * sizeof(floating))
+        (qkv_size + ctx_size + rope_size + packed_size + team * task_size) * sizeof(floating))
     cdef int64_t *positions = <int64_t *> malloc((s.length + 1) * sizeof(int64_t))
     if buf == NULL or positions == NULL:
         free(buf)
@@ -433,9 +433,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef floating *cos = ctx + ctx_size
     cdef floating *sin = cos + rope_size // 2
     cdef floating *packed = cos + rope_size
-    # the threads' task blocks start on a 64-byte boundary (no shared cache lines)
+    # whole lines each: the threads' task blocks share no cache line
     cdef floating *tasks = packed + packed_size
-    tasks = tasks + ((64 - (<size_t> tasks) % 64) % 64) // sizeof(floating)
     cdef Py_ssize_t n_tasks = s.batch * (s.kv_heads if s.heads_as_rows else s.heads)
     cdef Py_ssize_t t, p, tid
     cdef int status = 0
