@@ -244,6 +244,11 @@ KERNEL_CASES = {
     # P V panels of 8 / rows column vectors, then the narrower ones of the columns left
     "decode_row_d88": (2, 2, 2, 1, 150, 88, True, None),
     "decode_pairs_d40": (1, 4, 2, 1, 130, 40, True, None),
+    # head dims that leave 4 and 12 values after the score product's 16-value steps (masked
+    # loads at AVX-512), for blocks of 1, 3 and 4 rows
+    "decode_row_d100": (1, 2, 2, 1, 110, 100, True, None),
+    "decode_three_d44": (2, 6, 2, 1, 90, 44, True, None),
+    "decode_group_d36": (1, 8, 2, 1, 140, 36, True, None),
     "split_k": (1, 4, 1, 1, 1500, 64, True, None),
     "split_k_window": (1, 2, 1, 1, 2100, 32, True, 700),
     "prefill": (1, 4, 2, 40, 90, 32, True, None),
