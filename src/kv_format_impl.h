@@ -18,14 +18,16 @@ typedef float VEC __attribute__((vector_size(W * sizeof(float)), aligned(sizeof(
 typedef signed char FN(kvbytes_) __attribute__((vector_size(W), aligned(1), may_alias));
 typedef int FN(kvmask_) __attribute__((vector_size(W * sizeof(float))));
 
-/* The P V products' vectors: the widest of the SIMD level (512-bit at AVX-512). Each lane is
- * its own sum over the keys, so the width changes no bit (output hash of f16 / int8 prefill
- * and decode calls, head dims 24-128, unchanged); the scores stay 256-bit, their lanes are
- * partial sums of one dot product (a width of their own would move its bits). Intel Xeon, a
+/* The vectors of the P V products, and since c189bf3 of the score products too (kv_scores_):
+ * the widest of the SIMD level (512-bit at AVX-512). A P V lane is its own sum over the keys,
+ * so that width changed no bit (output hash of f16 / int8 prefill and decode calls, head dims
+ * 24-128, unchanged); a score lane is a partial sum of one dot product, so the scores' width
+ * moved the AVX-512 level's bits (not the other levels'). The P V products on Intel Xeon, a
  * hot decode step (4 x 1 over 1024 cached, 32 / 8 heads, D 128), min of 4 interleaved runs,
  * 256 -> 512-bit, 1 thread (2): float16 1762 -> 1649 us (935 -> 828), int8 1662 -> 1492 (901
- * -> 839); from DRAM (decode_cache_*) within the noise. Not measured on Zen 4, which splits a
- * 512-bit operation in two (its 512-bit score products had made float16 slower). */
+ * -> 839); from DRAM (decode_cache_*) within the noise. Neither change was measured on Zen 4,
+ * which splits a 512-bit operation in two (an earlier 512-bit score product had made float16
+ * slower there). */
 #define WP (MHA_ISA_WIDE_BYTES / (int)sizeof(float))
 #define VECP FN(kvvecp_)
 typedef float VECP __attribute__((vector_size(WP * sizeof(float)), aligned(sizeof(float)),
