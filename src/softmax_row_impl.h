@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void FN(vexp16_block_)(const int nv
     VX_FOR x[u] = p[u];
 }
 
-static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
+static inline __attribute__((always_inline)) REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
 {
     __m512 part[VX_BLOCK], x[VX_BLOCK];
     for (int u = 0; u < VX_BLOCK; u++)
