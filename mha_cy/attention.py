@@ -15,6 +15,7 @@ from ._aligned_arrays import empty_lines
 from ._cache import KVCache
 from ._checks import check_sdpa_inputs
 from ._module import MultiHeadAttentionBase
+from ._scratch import Scratch
 from ._threads import blas_single_threaded, kernel_threads
 from ._window import check_window, require_causal
 
@@ -171,11 +172,13 @@ def _linear(x, weight, bias, n_threads):
     return out.reshape(batch, length, -1)
 
 
-def _linear_heads(x, weight, bias, heads, head_dim, n_threads):
+def _linear_heads(x, weight, bias, heads, head_dim, n_threads, scratch=None, name=None):
     """(B, L, in) @ weight.T + bias split into heads: a C-contiguous (B, heads, L, head_dim)
-    array (each head's rows contiguous, as the attention kernel reads them fastest)."""
+    array (each head's rows contiguous, as the attention kernel reads them fastest), in the
+    scratch buffer `name` of a Lease (_scratch.py), or new."""
     batch, length, _ = x.shape
-    out = empty_lines((batch, heads, length, head_dim), x.dtype)   # rows read in whole vectors
+    shape = (batch, heads, length, head_dim)         # rows read in whole vectors: on lines
+    out = empty_lines(shape, x.dtype) if scratch is None else scratch.array(name, shape, x.dtype)
     _linear_kernel.linear_heads(_token_rows(x), weight, bias, out, n_threads)
     return out
 
@@ -224,6 +227,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
     Weights are nn.Linear-shaped (out_features, in_features): q_weight, k_weight, v_weight,
     out_weight, q_bias, ... (the q/k/v ones are views of in_proj_weight when kdim == vdim ==
     embed_dim). Output dtype is the module dtype (float32 or float64); other inputs are converted.
+    The module keeps its intermediates' memory between calls (never what a call returns);
+    release_scratch() frees it.
     """
 
     def __call__(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
@@ -270,6 +275,19 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                                 need_weights=need_weights, cache=cache, lengths=lengths,
                                 positions=positions, head_mask=head_mask)
 
+    def release_scratch(self):
+        """Free the scratch arrays the module keeps between calls (its projections' heads and
+        the attention's context, reused to spare each call the page faults of fresh memory:
+        mha_cy/_scratch.py); the next call allocates them again."""
+        self._scratch().release()
+
+    def _scratch(self):
+        """This module's Scratch (made on first use: also for modules unpickled without one)."""
+        scratch = self.__dict__.get("_scratch_buffers")
+        if scratch is None:
+            scratch = self._scratch_buffers = Scratch()
+        return scratch
+
     def _self_attention(self, x, is_causal):
         """Self-attention of a checked, non-empty (B, L, E) array: one QKV projection, the
         attention kernel, the output projection. _forward's self-attention branch without its
@@ -281,13 +299,13 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         out = self._small_self_attention(x, is_causal, None, None, n_threads)
         if out is not None:                # a small call: one compiled call
             return out
-        with blas_single_threaded():
+        with blas_single_threaded(), self._scratch().lease() as scratch:
             qkv = _linear_heads(x, self.in_proj_weight, self.in_proj_bias, heads + 2 * kv_heads,
-                                d, n_threads)
+                                d, n_threads, scratch, "qkv")
             if self.rope is not None:      # positions 0 .. L - 1 for every sequence
                 _rotate_qk(qkv, heads, kv_heads, self.rope,
                            np.arange(length, dtype=np.int64)[None], n_threads)
-            context = np.empty((batch, length, heads * d), dtype=self.dtype)
+            context = scratch.array("context", (batch, length, heads * d), self.dtype)
             _attention_kernel.attention(qkv[:, :heads], qkv[:, heads:heads + kv_heads],
                                         qkv[:, heads + kv_heads:],
                                         _split_heads(context, heads, d), None, None,
@@ -335,23 +353,26 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_q = heads * d
         n_threads = kernel_threads()
-        with blas_single_threaded():
+        with blas_single_threaded(), self._scratch().lease() as scratch:
             if self_attention and self.in_proj_weight is not None:
                 qkv = _linear_heads(query, self.in_proj_weight, self.in_proj_bias,
-                                    heads + 2 * kv_heads, d, n_threads)
+                                    heads + 2 * kv_heads, d, n_threads, scratch, "qkv")
                 if positions is not None:
                     _rotate_qk(qkv, heads, kv_heads, self.rope, positions, n_threads)
                 q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
             else:
-                q = _linear_heads(query, self.q_weight, self.q_bias, heads, d, n_threads)
+                q = _linear_heads(query, self.q_weight, self.q_bias, heads, d, n_threads,
+                                  scratch, "q")
                 if key is value and self.in_proj_weight is not None:   # one GEMM for K and V
                     kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[n_q:]
                     kv = _linear_heads(key, self.in_proj_weight[n_q:], kv_bias, 2 * kv_heads, d,
-                                       n_threads)
+                                       n_threads, scratch, "kv")
                     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
                 else:
-                    k = _linear_heads(key, self.k_weight, self.k_bias, kv_heads, d, n_threads)
-                    v = _linear_heads(value, self.v_weight, self.v_bias, kv_heads, d, n_threads)
+                    k = _linear_heads(key, self.k_weight, self.k_bias, kv_heads, d, n_threads,
+                                      scratch, "k")
+                    v = _linear_heads(value, self.v_weight, self.v_bias, kv_heads, d, n_threads,
+                                      scratch, "v")
             ragged = k_scale = v_scale = None
             if plan is not None:     # k, v: the cache's storage, in its format
                 k, v = plan.write(k, v)
@@ -360,7 +381,8 @@ class MultiHeadAttention(MultiHeadAttentionBase):
             # q, k, v are head views of the projections (or of the cache): BLAS-ready as they are
             # (a ragged batch's padding rows are not computed: zeros, not scratch, go to W_O)
             alloc = np.empty if ragged is None else np.zeros
-            context = alloc((batch, q_len, n_q), dtype=self.dtype)
+            context = (scratch.array("context", (batch, q_len, n_q), self.dtype)
+                       if ragged is None else np.zeros((batch, q_len, n_q), dtype=self.dtype))
             weights = None
             if need_weights:
                 weights = alloc((batch, heads, q_len, k.shape[2]), dtype=self.dtype)
