@@ -92,28 +92,56 @@ FN(half_panel_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, p
 }
 #endif
 
-/* Columns [j0, j1) of NP whole panels (rows: NP * PR at most). */
+/* Columns [j0, j1) of NP whole panels (rows: NP * PR at most), in blocks of nearly equal
+ * widths, at most NB_MAX: a head of 64 columns (linear_heads cuts the tiles at heads) runs as
+ * 11, 11, 11, 11, 10, 10 instead of 5 x 12 + 4, whose last block had a third of the
+ * accumulators per load. Blocks change no bit (block_). */
 static inline __attribute__((always_inline)) ISA_TARGET void
 FN(panels_)(const REAL *panel, ptrdiff_t rows, ptrdiff_t k, const REAL *w, ptrdiff_t ldw,
             const REAL *bias, REAL *out, ptrdiff_t ldo, const ptrdiff_t *row_off, ptrdiff_t j0,
             ptrdiff_t j1, const int NP)
 {
-    ptrdiff_t j = j0;
-    for (; j + NB_MAX <= j1; j += NB_MAX)
-        FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, NB_MAX, NP, NV);
-    switch (j1 - j) {           /* the last < NB_MAX weight rows */
-    case 11: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 11, NP, NV); break;
-    case 10: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 10, NP, NV); break;
-    case 9: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 9, NP, NV); break;
-    case 8: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 8, NP, NV); break;
-    case 7: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 7, NP, NV); break;
-    case 6: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 6, NP, NV); break;
-    case 5: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 5, NP, NV); break;
-    case 4: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 4, NP, NV); break;
-    case 3: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 3, NP, NV); break;
-    case 2: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 2, NP, NV); break;
-    case 1: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, 1, NP, NV); break;
-    default: break;
+    ptrdiff_t blocks = (j1 - j0 + NB_MAX - 1) / NB_MAX, j = j0;
+    for (ptrdiff_t left = blocks; left > 0; left--) {
+        int nb = (int)((j1 - j + left - 1) / left);      /* the widest of the balanced widths */
+        switch (nb) {
+#define MHA_PANELS_CASE(NB) \
+        case NB: FN(block_)(panel, rows, k, w, ldw, bias, out, ldo, row_off, j, NB, NP, NV); break;
+#if NB_MAX >= 12
+        MHA_PANELS_CASE(12)
+#endif
+#if NB_MAX >= 11
+        MHA_PANELS_CASE(11)
+#endif
+#if NB_MAX >= 10
+        MHA_PANELS_CASE(10)
+#endif
+#if NB_MAX >= 9
+        MHA_PANELS_CASE(9)
+#endif
+#if NB_MAX >= 8
+        MHA_PANELS_CASE(8)
+#endif
+#if NB_MAX >= 7
+        MHA_PANELS_CASE(7)
+#endif
+#if NB_MAX >= 6
+        MHA_PANELS_CASE(6)
+#endif
+#if NB_MAX >= 5
+        MHA_PANELS_CASE(5)
+#endif
+#if NB_MAX >= 4
+        MHA_PANELS_CASE(4)
+#endif
+#if NB_MAX >= 3
+        MHA_PANELS_CASE(3)
+#endif
+        MHA_PANELS_CASE(2) MHA_PANELS_CASE(1)
+#undef MHA_PANELS_CASE
+        default: break;
+        }
+        j += nb;
     }
 }
 
