@@ -23,8 +23,9 @@
  * score is NaN. The max skips NaN, so without that flag a row whose scores are all NaN would
  * look fully masked and give zeros: a NaN (or a +inf, whose exp(inf - inf) is NaN) that
  * reaches a row's scores makes the whole row NaN, as in NumPy and torch. */
-static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
-                                     const unsigned char *pad, int n_skip, int n_valid)
+static inline __attribute__((always_inline)) void
+FN(mask_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride, const unsigned char *pad,
+              int n_skip, int n_valid)
 {
     if (add != NULL) {  /* -inf hides the key whatever its score (NaN or +inf - inf: NaN) */
         if (add_stride == 1)
@@ -42,6 +43,12 @@ static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t 
     if (pad != NULL)
         for (ptrdiff_t j = 0; j < n; j++)
             s[j] = pad[j] ? -INFINITY : s[j];
+}
+
+static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
+                                     const unsigned char *pad, int n_skip, int n_valid)
+{
+    FN(mask_row_)(s, n, add, add_stride, pad, n_skip, n_valid);
     REAL mx = -INFINITY;
     int nan_seen = 0;
 #pragma omp simd reduction(max : mx) reduction(| : nan_seen)
@@ -126,7 +133,7 @@ static inline __attribute__((always_inline)) void FN(vexp16_block_)(const int nv
 }
 
 /* exp_and_sum_ but for the last step: the row's 16 partial sums, whose lanes the caller adds
- * (row_sums_ for a block's rows at once). */
+ * (row_reduce_ for a block's rows at once). */
 static inline __attribute__((always_inline)) __m512 FN(exp_and_parts_)(REAL *s, int n, REAL mx)
 {
     __m512 part[VX_BLOCK], x[VX_BLOCK];
@@ -165,43 +172,79 @@ static inline __attribute__((always_inline)) REAL FN(exp_and_sum_)(REAL *s, int 
     return _mm512_reduce_add_ps(FN(exp_and_parts_)(s, n, mx));
 }
 
-/* sums[i] := the sum of the 16 lanes of v[i], i < M <= 16, for the rows of a block at once:
- * pairs of rows go through each halving step together (lane j + lane j + 8, then + 4, + 2,
- * + 1: the additions of gcc's _mm512_reduce_add_ps, so the same sums, bit for bit) in about
- * 3 instructions a row instead of its 8, no chain of latencies per row. That per-row
- * reduction was 5% of an SDPA call's samples (Intel Xeon, (1, 12, 128), 1 thread). */
-static inline __attribute__((always_inline)) void FN(row_sums_)(const int M, const __m512 *v,
-                                                                 REAL *sums)
+/* out[i] := the sum (is_max: the max) of the 16 lanes of v[i], i < M <= 16, for the rows of
+ * a block at once: pairs of rows go through each halving step together (lane j + lane j + 8,
+ * then + 4, + 2, + 1: the additions of gcc's _mm512_reduce_add_ps, so the same sums, bit for
+ * bit) in about 3 instructions a row instead of its 8, no chain of latencies per row. That
+ * per-row reduction was 5% of an SDPA call's samples (Intel Xeon, (1, 12, 128), 1 thread).
+ * The lanes of a max hold no NaN (lane_max_ flags those apart). */
+static inline __attribute__((always_inline)) __m512 FN(combine_)(__m512 a, __m512 b,
+                                                                  const int is_max)
+{
+    return is_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+}
+
+static inline __attribute__((always_inline)) void FN(row_reduce_)(const int M, const __m512 *v,
+                                                                   REAL *out, const int is_max)
 {
     if (M <= 2) {
         for (int i = 0; i < M; i++)
-            sums[i] = _mm512_reduce_add_ps(v[i]);
+            out[i] = is_max ? _mm512_reduce_max_ps(v[i]) : _mm512_reduce_add_ps(v[i]);
         return;
     }
-    const __m512 z = _mm512_setzero_ps();
+    const __m512 z = is_max ? _mm512_set1_ps(-INFINITY) : _mm512_setzero_ps();
     __m512 a[8], b[4], c[2];
     /* a[k]: rows 2k, 2k + 1, 8 lanes each: lanes j + j + 8 (256-bit halves) */
     for (int k = 0; k < (M + 1) / 2; k++) {
         __m512 u = v[2 * k], w = 2 * k + 1 < M ? v[2 * k + 1] : z;
-        a[k] = _mm512_shuffle_f32x4(u, w, 0x44) + _mm512_shuffle_f32x4(u, w, 0xEE);
+        a[k] = FN(combine_)(_mm512_shuffle_f32x4(u, w, 0x44), _mm512_shuffle_f32x4(u, w, 0xEE),
+                            is_max);
     }
     /* b[k]: rows 4k .. 4k + 3, a quarter each: lanes j + j + 4 (128-bit quarters) */
     for (int k = 0; k < (M + 3) / 4; k++) {
         __m512 u = a[2 * k], w = 2 * k + 1 < (M + 1) / 2 ? a[2 * k + 1] : z;
-        b[k] = _mm512_shuffle_f32x4(u, w, 0x88) + _mm512_shuffle_f32x4(u, w, 0xDD);
+        b[k] = FN(combine_)(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD),
+                            is_max);
     }
     /* c[k]: rows 8k .. 8k + 7, 2 lanes each (quarter q: rows 8k + q, 8k + 4 + q): j + j + 2 */
     for (int k = 0; k < (M + 7) / 8; k++) {
         __m512 u = b[2 * k], w = 2 * k + 1 < (M + 3) / 4 ? b[2 * k + 1] : z;
-        c[k] = _mm512_shuffle_ps(u, w, 0x44) + _mm512_shuffle_ps(u, w, 0xEE);
+        c[k] = FN(combine_)(_mm512_shuffle_ps(u, w, 0x44), _mm512_shuffle_ps(u, w, 0xEE), is_max);
     }
     /* lane 4q + r: row q + 4r (q, r < 4): lane 0 + lane 1 of each row */
     __m512 w = M > 8 ? c[1] : z;
-    __m512 d = _mm512_shuffle_ps(c[0], w, 0x88) + _mm512_shuffle_ps(c[0], w, 0xDD);
+    __m512 d = FN(combine_)(_mm512_shuffle_ps(c[0], w, 0x88), _mm512_shuffle_ps(c[0], w, 0xDD),
+                            is_max);
     REAL lanes[16];
     _mm512_storeu_ps(lanes, d);
     for (int i = 0; i < M; i++)
-        sums[i] = lanes[(i % 4) * 4 + i / 4];
+        out[i] = lanes[(i % 4) * 4 + i / 4];
+}
+
+/* The 16 lane maxes of a masked row (hidden keys -inf), NaN skipped (vmaxps(x, m) is x > m ?
+ * x : m, the scalar max's step); *nan_seen: whether a score is NaN. mask_and_max_'s max but
+ * for the lanes' reduction (row_reduce_, for the rows of a block at once). */
+static inline __attribute__((always_inline)) __m512 FN(lane_max_)(const REAL *s, int n,
+                                                                  int *nan_seen)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx[2] = {ninf, ninf};
+    __mmask16 nan = 0;
+    int j = 0;
+    for (; j + 32 <= n; j += 32)
+        for (int u = 0; u < 2; u++) {
+            __m512 x = _mm512_loadu_ps(s + j + 16 * u);
+            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            mx[u] = _mm512_max_ps(x, mx[u]);
+        }
+    for (; j < n; j += 16) {
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __m512 x = _mm512_mask_loadu_ps(ninf, k, s + j);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mx[0] = _mm512_max_ps(x, mx[0]);
+    }
+    *nan_seen = nan != 0;
+    return _mm512_max_ps(mx[0], mx[1]);
 }
 #else
 static inline REAL FN(exp_and_sum_)(REAL *s, int n, REAL mx)
@@ -321,19 +364,24 @@ FN(online_softmax_rows_)(const int M, REAL *s, ptrdiff_t s_rs, int nk, int dv, p
                          ptrdiff_t window, REAL *m, REAL *l, REAL *acc)
 {
 #if MHA_ISA_WIDE_BYTES == 64 && EXP_C(AVX512_BODY)
-    /* the same steps as below, the rows' sums of exps reduced together (row_sums_) */
+    /* the same steps as below, the rows' maxes and sums of exps reduced together
+     * (row_reduce_) */
     __m512 parts[16];
     REAL m_new[16], sums[16];
     if (M <= 16) {
+        int nan_seen[16];
         for (int i = 0; i < M; i++) {
             int n_skip, n_valid;
             FN(row_span_)(i, nk, j0, limit, limit_step, window, &n_skip, &n_valid);
             REAL *si = s + i * s_rs;
-            REAL tile_max = FN(mask_and_max_)(si, nk,
-                                              add == NULL ? NULL : add + i * add_rs + j0 * add_ks,
-                                              add_ks, pad == NULL ? NULL : pad + j0, n_skip,
-                                              n_valid);
-            m_new[i] = FN(online_max_)(tile_max, m[i]);
+            FN(mask_row_)(si, nk, add == NULL ? NULL : add + i * add_rs + j0 * add_ks, add_ks,
+                          pad == NULL ? NULL : pad + j0, n_skip, n_valid);
+            parts[i] = FN(lane_max_)(si, nk, &nan_seen[i]);
+        }
+        FN(row_reduce_)(M, parts, m_new, 1);
+        for (int i = 0; i < M; i++) {
+            REAL *si = s + i * s_rs;
+            m_new[i] = FN(online_max_)(nan_seen[i] ? (REAL)NAN : m_new[i], m[i]);
             if (m_new[i] == -INFINITY) {
                 FN(hide_row_)(si, nk);
                 parts[i] = _mm512_setzero_ps();
@@ -341,7 +389,7 @@ FN(online_softmax_rows_)(const int M, REAL *s, ptrdiff_t s_rs, int nk, int dv, p
                 parts[i] = FN(exp_and_parts_)(si, nk, m_new[i]);
             }
         }
-        FN(row_sums_)(M, parts, sums);
+        FN(row_reduce_)(M, parts, sums, 0);
         for (int i = 0; i < M; i++)
             if (m_new[i] != -INFINITY)
                 FN(online_rescale_)(m_new[i], sums[i], m + i, l + i, acc + i * dv, dv);
