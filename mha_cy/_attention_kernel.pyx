@@ -35,8 +35,8 @@ import numpy as np
 from ._aligned cimport malloc_lines
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._c_kernels cimport (mha_online_softmax_row_f32, mha_online_softmax_row_f64,
-                          mha_softmax_row_f32, mha_softmax_row_f64, mha_finish_row_f32,
-                          mha_finish_row_f64, MHA_FUSED_MAX_HEAD_DIM, MHA_FUSED_DIRECT_MAX_ROWS,
+                          mha_softmax_row_f32, mha_softmax_row_f64, mha_finish_rows_f32,
+                          mha_finish_rows_f64, MHA_FUSED_MAX_HEAD_DIM, MHA_FUSED_DIRECT_MAX_ROWS,
                           MHA_FUSED_DIRECT_MIN_HEAD_DIM, mha_fused_scratch_f32,
                           mha_fused_scratch_f64, mha_fused_attend_f32, mha_fused_attend_f64,
                           mha_fused_attend_direct_f32, mha_fused_attend_direct_f64,
@@ -217,12 +217,13 @@ cdef inline void _row_softmax(floating *s, Py_ssize_t n, const floating *add,
         mha_softmax_row_f64(s, <int> n, add, add_stride, pad, <int> n_skip, <int> n_valid)
 
 
-cdef inline void _row_finish(const floating *acc, floating l, floating *out,
-                             Py_ssize_t dv) noexcept nogil:
+cdef inline void _rows_finish(const floating *acc, const floating *l, Py_ssize_t rows,
+                              Py_ssize_t dv, floating *out, Py_ssize_t out_rs) noexcept nogil:
+    """out row r (out_rs apart) := acc row r (dv apart) / l[r], for rows rows."""
     if floating is float:
-        mha_finish_row_f32(acc, l, out, <int> dv)
+        mha_finish_rows_f32(acc, l, <int> rows, <int> dv, out, out_rs)
     else:
-        mha_finish_row_f64(acc, l, out, <int> dv)
+        mha_finish_rows_f64(acc, l, <int> rows, <int> dv, out, out_rs)
 
 
 cdef bint _all_finite(const floating *x, Py_ssize_t rows, Py_ssize_t n,
@@ -372,8 +373,7 @@ cdef void _attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts, float
             _pv_exact(scores, p.block_k, task.rows, nk, v0 + j0 * p.vl, p.vl, acc, p.dv, p.dv)
         j0 += nk
     if finish:
-        for r in range(task.rows):
-            _row_finish(acc + r * p.dv, row_sum[r], o0 + r * task.o_rs, p.dv)
+        _rows_finish(acc, row_sum, task.rows, p.dv, o0, task.o_rs)
 
 
 cdef void _merge_parts(const Problem *p, Py_ssize_t base, Py_ssize_t n_parts,
@@ -540,8 +540,7 @@ cdef void _stored_attend_task(const Problem *p, Py_ssize_t t, Py_ssize_t n_parts
             _pv_exact(scores, p.block_k, task.rows, nk, vt, p.dv, acc, p.dv, p.dv)
         j0 += nk
     if finish:
-        for r in range(task.rows):
-            _row_finish(acc + r * p.dv, row_sum[r], o0 + r * task.o_rs, p.dv)
+        _rows_finish(acc, row_sum, task.rows, p.dv, o0, task.o_rs)
 
 
 cdef void _stored_weights_task(const Problem *p, Py_ssize_t t, float scale, const float *q,

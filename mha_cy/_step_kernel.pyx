@@ -68,7 +68,7 @@ from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL
                           mha_pack_row_panels_f32, mha_pack_row_panels_f64,
                           mha_row_panel_gemm_f32, mha_row_panel_gemm_f64, mha_rope_table_f32,
                           mha_rope_table_f64, mha_rope_rotate_f32, mha_rope_rotate_f64,
-                          mha_finish_row_f32, mha_finish_row_f64, MHA_FUSED_MAX_HEAD_DIM,
+                          mha_finish_rows_f32, mha_finish_rows_f64, MHA_FUSED_MAX_HEAD_DIM,
                           MHA_FUSED_DIRECT_MAX_ROWS, MHA_FUSED_DIRECT_MIN_HEAD_DIM,
                           mha_fused_scratch_f32, mha_fused_scratch_f64, mha_fused_attend_f32,
                           mha_fused_attend_f64, mha_fused_attend_direct_f32,
@@ -342,11 +342,10 @@ cdef void _attend_task(const Step *s, Py_ssize_t t, const int64_t *starts,
                                  k0, kl, v0, kl, <int> d, k_begin, k_end, scale, m0, m_rs,
                                  s.mk, pad_row, limit, step, s.window, row_max, row_sum, acc,
                                  work)
-    for r in range(rows_t):
-        if floating is float:
-            mha_finish_row_f32(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
-        else:
-            mha_finish_row_f64(acc + r * d, row_sum[r], o0 + r * o_rs, <int> d)
+    if floating is float:
+        mha_finish_rows_f32(acc, row_sum, <int> rows_t, <int> d, o0, o_rs)
+    else:
+        mha_finish_rows_f64(acc, row_sum, <int> rows_t, <int> d, o0, o_rs)
 
 
 cdef inline Py_ssize_t _work_size(const Step *s, bint is_double) noexcept nogil:

@@ -45,6 +45,11 @@
     void mha_finish_row_##SFX(const REAL *acc, REAL l, REAL *out, int dv)                    \
     {                                                                                        \
         MHA_SIMD_CALL(mha_finish_row_##SFX, (acc, l, out, dv))                               \
+    }                                                                                        \
+    void mha_finish_rows_##SFX(const REAL *acc, const REAL *l, int rows, int dv, REAL *out,  \
+                               ptrdiff_t out_rs)                                             \
+    {                                                                                        \
+        MHA_SIMD_CALL(mha_finish_rows_##SFX, (acc, l, rows, dv, out, out_rs))                \
     }
 DEFINE_DISPATCH(float, f32)
 DEFINE_DISPATCH(double, f64)

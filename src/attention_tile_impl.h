@@ -49,6 +49,13 @@ void FN(mha_finish_row_)(const REAL *acc, REAL l, REAL *out, int dv)
         out[d] = acc[d] * inv;
 }
 
+void FN(mha_finish_rows_)(const REAL *acc, const REAL *l, int rows, int dv, REAL *out,
+                          ptrdiff_t out_rs)
+{
+    for (ptrdiff_t r = 0; r < rows; r++)
+        FN(mha_finish_row_)(acc + r * dv, l[r], out + r * out_rs, dv);
+}
+
 #undef FN
 #undef MHA_CAT
 #undef MHA_CAT_
