@@ -53,8 +53,6 @@ cdef extern from "attention_tile.h" nogil:
                              const unsigned char *pad, int n_skip, int n_valid)
     void mha_softmax_row_f64(double *s, int n, const double *add, Py_ssize_t add_stride,
                              const unsigned char *pad, int n_skip, int n_valid)
-    void mha_finish_row_f32(const float *acc, float l, float *out, int dv)
-    void mha_finish_row_f64(const double *acc, double l, double *out, int dv)
     void mha_finish_rows_f32(const float *acc, const float *l, int rows, int dv, float *out,
                              Py_ssize_t out_rs)
     void mha_finish_rows_f64(const double *acc, const double *l, int rows, int dv, double *out,

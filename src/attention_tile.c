@@ -42,10 +42,6 @@
     {                                                                                        \
         MHA_SIMD_CALL(mha_softmax_row_##SFX, (s, n, add, add_stride, pad, n_skip, n_valid))          \
     }                                                                                        \
-    void mha_finish_row_##SFX(const REAL *acc, REAL l, REAL *out, int dv)                    \
-    {                                                                                        \
-        MHA_SIMD_CALL(mha_finish_row_##SFX, (acc, l, out, dv))                               \
-    }                                                                                        \
     void mha_finish_rows_##SFX(const REAL *acc, const REAL *l, int rows, int dv, REAL *out,  \
                                ptrdiff_t out_rs)                                             \
     {                                                                                        \

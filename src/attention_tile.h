@@ -50,13 +50,10 @@ void mha_softmax_row_f32(float *s, int n, const float *add, ptrdiff_t add_stride
 void mha_softmax_row_f64(double *s, int n, const double *add, ptrdiff_t add_stride,
                          const unsigned char *pad, int n_skip, int n_valid);
 
-/* out[0:dv] = acc / l, or zeros when l == 0 (every key of the row was masked); NaN l: NaN. */
-void mha_finish_row_f32(const float *acc, float l, float *out, int dv);
-void mha_finish_row_f64(const double *acc, double l, double *out, int dv);
-
-/* mha_finish_row_* for rows rows at once (one call, not one dispatch per row: 2.8% of an SDPA
- * call's samples, (1, 12, 128), 1 thread): acc row r at acc + r * dv, l[r], out row r at
- * out + r * out_rs. */
+/* For r < rows: out row r (at out + r * out_rs) = acc row r (at acc + r * dv) / l[r], or
+ * zeros when l[r] == 0 (every key of the row was masked); NaN l[r]: NaN. A task's rows in one
+ * call: one run-time dispatch per row was 2.8% of an SDPA call's samples, (1, 12, 128), 1
+ * thread. */
 void mha_finish_rows_f32(const float *acc, const float *l, int rows, int dv, float *out,
                          ptrdiff_t out_rs);
 void mha_finish_rows_f64(const double *acc, const double *l, int rows, int dv, double *out,

@@ -42,7 +42,8 @@ void FN(mha_softmax_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
         s[j] *= inv;
 }
 
-void FN(mha_finish_row_)(const REAL *acc, REAL l, REAL *out, int dv)
+/* out[0:dv] = acc / l, or zeros when l == 0 (every key of the row was masked); NaN l: NaN. */
+static inline void FN(finish_row_)(const REAL *acc, REAL l, REAL *out, int dv)
 {
     REAL inv = l == 0 ? 0 : 1 / l;      /* l is NaN when a NaN reached the row: keep it */
     for (ptrdiff_t d = 0; d < dv; d++)
@@ -53,7 +54,7 @@ void FN(mha_finish_rows_)(const REAL *acc, const REAL *l, int rows, int dv, REAL
                           ptrdiff_t out_rs)
 {
     for (ptrdiff_t r = 0; r < rows; r++)
-        FN(mha_finish_row_)(acc + r * dv, l[r], out + r * out_rs, dv);
+        FN(finish_row_)(acc + r * dv, l[r], out + r * out_rs, dv);
 }
 
 #undef FN
