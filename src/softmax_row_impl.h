@@ -17,12 +17,9 @@
  * ns/key per softmax row), the sum, whose loop also holds the exp, VX_BLOCK partial sums, which
  * vectorized better there than the pragma did. A NaN score still ends in a NaN output. */
 
-/* Pass 1 of every row: add the additive mask, then mark the keys that causality, the sliding
- * window or padding hide with -inf (after the addition, so that a +inf or NaN in the additive
- * mask at a hidden key cannot turn it into NaN); return the row max, or NaN when a visible
- * score is NaN. The max skips NaN, so without that flag a row whose scores are all NaN would
- * look fully masked and give zeros: a NaN (or a +inf, whose exp(inf - inf) is NaN) that
- * reaches a row's scores makes the whole row NaN, as in NumPy and torch. */
+/* Pass 1 of every row, its masks: add the additive mask, then mark the keys that causality,
+ * the sliding window or padding hide with -inf (after the addition, so that a +inf or NaN in
+ * the additive mask at a hidden key cannot turn it into NaN). */
 static inline __attribute__((always_inline)) void
 FN(mask_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride, const unsigned char *pad,
               int n_skip, int n_valid)
@@ -45,6 +42,10 @@ FN(mask_row_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride, const unsig
             s[j] = pad[j] ? -INFINITY : s[j];
 }
 
+/* Pass 1 whole: the masks, then the row max, or NaN when a visible score is NaN. The max skips
+ * NaN, so without that flag a row whose scores are all NaN would look fully masked and give
+ * zeros: a NaN (or a +inf, whose exp(inf - inf) is NaN) that reaches a row's scores makes the
+ * whole row NaN, as in NumPy and torch. */
 static inline REAL FN(mask_and_max_)(REAL *s, int n, const REAL *add, ptrdiff_t add_stride,
                                      const unsigned char *pad, int n_skip, int n_valid)
 {
@@ -366,9 +367,9 @@ FN(online_softmax_rows_)(const int M, REAL *s, ptrdiff_t s_rs, int nk, int dv, p
 #if MHA_ISA_WIDE_BYTES == 64 && EXP_C(AVX512_BODY)
     /* the same steps as below, the rows' maxes and sums of exps reduced together
      * (row_reduce_) */
-    __m512 parts[16];
-    REAL m_new[16], sums[16];
     if (M <= 16) {
+        __m512 parts[16];
+        REAL m_new[16], sums[16];
         int nan_seen[16];
         for (int i = 0; i < M; i++) {
             int n_skip, n_valid;
