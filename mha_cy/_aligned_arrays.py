@@ -15,8 +15,18 @@ CACHE_LINE_BYTES = 64
 
 def empty_lines(shape, dtype):
     """np.empty(shape, dtype), C-contiguous, starting on a cache-line boundary."""
+    return lines_view(np.empty(lines_bytes(shape, dtype), dtype=np.uint8), shape, dtype)
+
+
+def lines_bytes(shape, dtype):
+    """The bytes of a raw uint8 buffer that lines_view can place a (shape, dtype) array in."""
+    return math.prod(shape) * np.dtype(dtype).itemsize + CACHE_LINE_BYTES
+
+
+def lines_view(raw, shape, dtype):
+    """A C-contiguous (shape, dtype) view of the uint8 buffer raw (at least lines_bytes long),
+    starting on its first cache-line boundary."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + CACHE_LINE_BYTES, dtype=np.uint8)
     start = -raw.__array_interface__["data"][0] % CACHE_LINE_BYTES
     return raw[start:start + nbytes].view(dtype).reshape(shape)

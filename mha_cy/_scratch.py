@@ -4,8 +4,8 @@ attention's context, intermediates that no caller ever sees.
 Why: NumPy's arrays above 32 MiB come from fresh mmap'ed pages (glibc's largest mmap
 threshold), so each call paid the page faults of its first writes: 4.2 ms to touch a new
 38 MiB array (the QKV heads of encoder_batched, B 8, L 512, d 768) where touching a reused one
-took 0.1 ms. encoder_batched's module call, 2 threads, Intel Xeon: 104-105 -> 100.5 ms (min of
-7) with glibc told to reuse its heap instead (MALLOC_MMAP_THRESHOLD_), which this reproduces.
+took 0.1 ms. encoder_batched's module call, 2 threads, Intel Xeon, 3 alternating runs of min
+of 7: 99.0-101.5 -> 92.8-97.3 ms with these buffers.
 
 Rules that keep it safe:
 - a call leases the buffers for itself (list.pop, atomic under the GIL) and hands them back
@@ -16,12 +16,11 @@ Rules that keep it safe:
 - a module keeps one set of buffers, at most MAX_KEPT_BYTES, and release() frees them;
   pickling and deepcopy carry no buffers.
 """
-import math
 from contextlib import contextmanager
 
 import numpy as np
 
-from ._aligned_arrays import CACHE_LINE_BYTES
+from ._aligned_arrays import lines_bytes, lines_view
 
 # The most bytes of buffers a module keeps between calls (larger sets are dropped at the end of
 # the call that needed them, as before this cache existed).
@@ -64,10 +63,8 @@ class Lease:
     def array(self, name, shape, dtype):
         """An uninitialized C-contiguous array starting on a cache line (as empty_lines), in
         the buffer `name`, grown when too small. One array per name and call."""
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = lines_bytes(shape, dtype)
         raw = self._buffers.get(name)
-        if raw is None or raw.nbytes < nbytes + CACHE_LINE_BYTES:
-            raw = self._buffers[name] = np.empty(nbytes + CACHE_LINE_BYTES, dtype=np.uint8)
-        start = -raw.__array_interface__["data"][0] % CACHE_LINE_BYTES
-        return raw[start:start + nbytes].view(dtype).reshape(shape)
+        if raw is None or raw.nbytes < nbytes:
+            raw = self._buffers[name] = np.empty(nbytes, dtype=np.uint8)
+        return lines_view(raw, shape, dtype)
