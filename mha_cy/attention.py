@@ -24,8 +24,6 @@ __all__ = ["MultiHeadAttention", "scaled_dot_product_attention"]
 
 # BLAS takes 32-bit leading dimensions, and the row functions 32-bit key counts.
 _INT_MAX = 2 ** 31 - 1
-# Head dims up to which the attention kernel's default rule runs its fused tiles (no BLAS).
-_FUSED_MAX_D = _attention_kernel.FUSED_MAX_HEAD_DIM
 
 
 def _blas_operand(x):
@@ -109,18 +107,12 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     window are not read). Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
     """
     if (attn_mask is None and scale is None and window is None
-            and (is_causal is False or is_causal is True) and _plain_sdpa_operands(q, k, v)):
-        # the common call, on arrays the kernel takes as they are: nothing else to check
-        # (the general checks cost a small call several times its attention)
-        out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
-        args = (q, k, v, out, None, None, is_causal, 1.0 / math.sqrt(q.shape[3]), None,
-                kernel_threads())
-        if _attention_kernel.default_rules and max(q.shape[3], v.shape[3]) <= _FUSED_MAX_D:
-            _attention_kernel.attention(*args)     # the fused kernel: no BLAS call to hold
-        else:
-            with blas_single_threaded():
-                _attention_kernel.attention(*args)
-        return out
+            and (is_causal is False or is_causal is True)):
+        # the common call, on arrays the kernel takes as they are: one compiled call that
+        # checks them (None: not plain, the general checks below name what is wrong)
+        out = _attention_kernel.sdpa(q, k, v, is_causal, kernel_threads())
+        if out is not None:
+            return out
     window = check_window(window)
     q, k, v, attn_mask, is_causal, scale = check_sdpa_inputs(q, k, v, attn_mask, is_causal, scale)
     require_causal(window, is_causal)
@@ -132,28 +124,6 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
         _attend(_blas_operand(q), _blas_operand(k), _blas_operand(v), out, attn_mask, None,
                 is_causal, scale, None, kernel_threads(), window)
     return out
-
-
-def _plain_sdpa_operands(q, k, v):
-    """Whether q, k, v are C-contiguous, aligned, non-empty 4-D float32 or float64 arrays of one
-    dtype with consistent shapes (Hq a multiple of Hkv): what the kernel takes without a copy or a
-    check, and what the general path would pass it unchanged."""
-    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
-        return False
-    dt = q.dtype
-    if not (k.dtype == dt and v.dtype == dt and (dt == np.float32 or dt == np.float64)
-            and q.ndim == 4 and k.ndim == 4 and v.ndim == 4):
-        return False
-    (b, hq, lq, d), (bk, hkv, lk, dk), (bv, hv, lv, dv) = q.shape, k.shape, v.shape
-    item = q.itemsize
-    # C-contiguous is not enough: NumPy flags an axis of length 1 contiguous whatever its
-    # stride (a broadcast view's is 0), and the rows' strides are BLAS leading dimensions
-    return (b == bk == bv and d == dk and hkv == hv and lk == lv and hkv > 0 and hq % hkv == 0
-            and 0 not in (b, hq, lq, d, lk, dv) and lk <= _INT_MAX
-            and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
-            and q.flags.aligned and k.flags.aligned and v.flags.aligned
-            and q.strides[2] == d * item and k.strides[2] == d * item
-            and v.strides[2] == dv * item)
 
 
 def _token_rows(x):

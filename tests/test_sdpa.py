@@ -309,3 +309,69 @@ def test_broadcast_operands_of_one_key_are_not_taken_as_they_are(tile):
         np.testing.assert_array_equal(out, np.full((1, 2, 1, 1), 0.5, np.float32))
     finally:
         _attention_kernel._set_tile_kernel(previous)
+
+
+class _Tagged(np.ndarray):
+    """An ndarray subclass: not a plain operand (its methods may differ)."""
+
+
+def _misaligned(a):
+    """A copy of a whose data starts one byte past an aligned address (flags.aligned False)."""
+    raw = np.empty(a.nbytes + 1, np.uint8)
+    out = raw[1:].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("variant", ["byteswapped", "fortran", "misaligned", "subclass",
+                                     "float16", "int32", "mixed", "three_d", "uneven_groups",
+                                     "no_keys", "head_dim_300", "blas_rule", "list"])
+def test_the_compiled_common_call_takes_only_plain_operands(rng, variant):
+    """_attention_kernel.sdpa (the common call in one compiled call) returns None for any
+    operand it cannot take as it is, and the general path then gives the reference's result
+    or its error; plain operands it computes itself."""
+    from mha_cy import _attention_kernel
+    q, k, v = qkv(rng, np.float32, 2, 4, 2, 3, 5, 8)
+    assert _attention_kernel.sdpa(q, k, v, False, 1) is not None
+    previous = None
+    if variant == "byteswapped":
+        q = q.astype(q.dtype.newbyteorder())
+    elif variant == "fortran":
+        k = np.asfortranarray(k)
+    elif variant == "misaligned":
+        v = _misaligned(v)
+        assert not v.flags.aligned
+    elif variant == "subclass":
+        q = q.view(_Tagged)
+    elif variant == "float16":
+        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    elif variant == "int32":
+        q, k, v = (np.round(x * 4).astype(np.int32) for x in (q, k, v))
+    elif variant == "mixed":
+        k = k.astype(np.float64)
+    elif variant == "three_d":
+        q = q[0]
+    elif variant == "uneven_groups":
+        q = rng.standard_normal((2, 3, 3, 8)).astype(np.float32)
+    elif variant == "no_keys":
+        k, v = k[:, :, :0], v[:, :, :0]
+    elif variant == "head_dim_300":
+        q, k, v = qkv(rng, np.float32, 1, 2, 2, 3, 5, 300)
+    elif variant == "blas_rule":
+        previous = _attention_kernel._set_tile_kernel("blas")
+    else:
+        q = q.tolist()
+    try:
+        assert _attention_kernel.sdpa(q, k, v, False, 1) is None
+        try:
+            expected = reference.scaled_dot_product_attention(q, k, v)
+        except (ValueError, TypeError) as error:
+            with pytest.raises(type(error)):
+                mha_cy.scaled_dot_product_attention(q, k, v)
+            return
+        out = mha_cy.scaled_dot_product_attention(q, k, v)
+        assert out.dtype == expected.dtype
+        assert_close(out, expected)
+    finally:
+        if previous is not None:
+            _attention_kernel._set_tile_kernel(previous)
