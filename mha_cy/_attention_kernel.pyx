@@ -926,8 +926,6 @@ cdef int _run(Problem *p, Py_ssize_t max_group, floating scale, const floating *
     return 0
 
 
-
-
 cdef inline bint _plain_operand(object a, int typenum) noexcept:
     """a is an exact, native-order ndarray of typenum, 4-D, C-contiguous and aligned."""
     return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray> a) == typenum
@@ -942,12 +940,12 @@ def sdpa(object q, object k, object v, bint causal, int n_threads):
     common call, as one compiled call: the checks of mha_cy.attention's general path reduced
     to what plain operands need, and no memoryview or fused-type argument handling. Intel
     Xeon, 2 threads, float32, interleaved runs against the Python checks + attention():
-    (1, 4, 16, 16) 9.3-9.6 -> 4.7-4.8 us, (1, 8, 32, 64) 21-24 -> 18-19 us. Plain operands: exact, C-contiguous,
-    aligned, native float32 or float64 ndarrays of one dtype, q (B, Hq, Lq, D), k (B, Hkv, Lk,
-    D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv, no empty axis, with the default tile rules
-    and head dims the fused kernel takes (no BLAS call to hold). Returns the (B, Hq, Lq, Dv)
-    output, or None for anything else (the general path then checks it and names what is
-    wrong)."""
+    (1, 4, 16, 16) 9.3-9.6 -> 4.7-4.8 us, (1, 8, 32, 64) 21-24 -> 18-19 us.
+    Plain operands: exact, C-contiguous, aligned, native float32 or float64 ndarrays of one
+    dtype, q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv, no
+    empty axis, with the default tile rules and head dims the fused kernel takes (no BLAS
+    call to hold). Returns the (B, Hq, Lq, Dv) output, or None for anything else (the
+    general path then checks it and names what is wrong)."""
     if not cnp.PyArray_Check(q):
         return None
     cdef int typenum = cnp.PyArray_TYPE(<cnp.ndarray> q)
