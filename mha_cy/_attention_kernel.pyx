@@ -33,6 +33,7 @@ from cython.parallel cimport parallel, prange
 
 import numpy as np
 cimport numpy as cnp
+from ._ndarray_checks cimport c_contiguous
 
 cnp.import_array()
 
@@ -927,12 +928,9 @@ cdef int _run(Problem *p, Py_ssize_t max_group, floating scale, const floating *
 
 
 cdef inline bint _plain_operand(object a, int typenum) noexcept:
-    """a is an exact, native-order ndarray of typenum, 4-D, C-contiguous and aligned."""
-    return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray> a) == typenum
-            and cnp.PyArray_NDIM(<cnp.ndarray> a) == 4
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> a)
-            and cnp.PyArray_ISALIGNED(<cnp.ndarray> a)
-            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> a))
+    """a is an exact ndarray (no subclass), 4-D, and c_contiguous (_ndarray_checks.pxd)."""
+    return (cnp.PyArray_CheckExact(a) and c_contiguous(a, typenum)
+            and cnp.PyArray_NDIM(<cnp.ndarray> a) == 4)
 
 
 def sdpa(object q, object k, object v, bint causal, int n_threads):

@@ -49,6 +49,7 @@ mha(x, attn_mask=...) of a tiny layer (E = 64, 4 heads, 16 tokens, 2 threads all
 65 -> 20 us.
 """
 cimport numpy as cnp
+from ._ndarray_checks cimport c_contiguous
 from libc.math cimport INFINITY, sqrt
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
@@ -489,17 +490,6 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     return status
 
 
-cdef inline bint _c_contiguous(object a, int typenum) noexcept:
-    """a is a C-contiguous, aligned array of that type in native byte order (the kernels'
-    loads assume aligned native elements: an array at an odd byte offset, or a big-endian
-    '>f4' one, whose type number is still NPY_FLOAT32, takes the general path, which
-    converts it)."""
-    return (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray> a) == typenum
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> a)
-            and cnp.PyArray_ISALIGNED(<cnp.ndarray> a)
-            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> a))
-
-
 cdef inline bint _writeable(object a) noexcept:
     """a (an ndarray) may be written: the step stores the new keys/values through raw
     pointers, which would ignore a cleared WRITEABLE flag (or fault on read-only memory)."""
@@ -548,7 +538,7 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
     if isinstance(start, int):
         max_start = start
     else:
-        if not (_c_contiguous(start, cnp.NPY_INT64)
+        if not (c_contiguous(start, cnp.NPY_INT64)
                 and cnp.PyArray_SIZE(<cnp.ndarray> start) == x.shape[0]):
             return None
         starts = <const int64_t *> cnp.PyArray_DATA(<cnp.ndarray> start)
@@ -566,7 +556,7 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
             kv_fmt = MHA_KV_I8
         else:
             return None
-    if not (_c_contiguous(cache_k, stored) and _c_contiguous(cache_v, stored)
+    if not (c_contiguous(cache_k, stored) and c_contiguous(cache_v, stored)
             and _writeable(cache_k) and _writeable(cache_v)):
         return None                       # (a read-only cache: the general path raises)
     cdef cnp.npy_intp *cshape = cnp.PyArray_DIMS(<cnp.ndarray> cache_k)
@@ -580,8 +570,8 @@ def decode_step(cnp.ndarray x, object start, object cache_k, object cache_v,
         return None
     cdef Py_ssize_t positions = cshape[0] * cshape[1] * cshape[2]
     if kv_fmt == MHA_KV_I8:
-        if not (_c_contiguous(k_scale, cnp.NPY_FLOAT32)
-                and _c_contiguous(v_scale, cnp.NPY_FLOAT32)
+        if not (c_contiguous(k_scale, cnp.NPY_FLOAT32)
+                and c_contiguous(v_scale, cnp.NPY_FLOAT32)
                 and cnp.PyArray_SIZE(<cnp.ndarray> k_scale) == positions
                 and cnp.PyArray_SIZE(<cnp.ndarray> v_scale) == positions
                 and _writeable(k_scale) and _writeable(v_scale)):
@@ -631,7 +621,7 @@ def self_attention(cnp.ndarray x, bint causal, object key_padding, object attn_m
     takes it; weights as for decode_step; window only with causal; RoPE at positions
     0 .. L - 1."""
     if key_padding is not None and not (
-            _c_contiguous(key_padding, cnp.NPY_BOOL) and cnp.PyArray_NDIM(x) == 3
+            c_contiguous(key_padding, cnp.NPY_BOOL) and cnp.PyArray_NDIM(x) == 3
             and _shape_2d(key_padding, x.shape[0], x.shape[1])):
         return None
     cdef Py_ssize_t mask_strides[4]
@@ -657,11 +647,11 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     cdef int typenum = cnp.PyArray_TYPE(x)
     if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
         return None
-    if not (_c_contiguous(x, typenum) and _c_contiguous(w_in, typenum)
-            and _c_contiguous(w_out, typenum)
-            and (b_in is None or _c_contiguous(b_in, typenum))
-            and (b_out is None or _c_contiguous(b_out, typenum))
-            and (inv_freq is None or _c_contiguous(inv_freq, cnp.NPY_FLOAT64))
+    if not (c_contiguous(x, typenum) and c_contiguous(w_in, typenum)
+            and c_contiguous(w_out, typenum)
+            and (b_in is None or c_contiguous(b_in, typenum))
+            and (b_out is None or c_contiguous(b_out, typenum))
+            and (inv_freq is None or c_contiguous(inv_freq, cnp.NPY_FLOAT64))
             and cnp.PyArray_NDIM(x) == 3):
         return None
     # the shapes the raw-pointer loops rely on: a mismatch takes the general path, which
@@ -693,7 +683,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     s.kv_index = s.group_start = NULL
     s.max_group = group
     if kv_index is not None:
-        if not _c_contiguous(kv_index, cnp.NPY_INTP):
+        if not c_contiguous(kv_index, cnp.NPY_INTP):
             return None
         group_starts = _attention_kernel._group_starts(kv_index, heads, kv_heads)
         kv_view = kv_index
