@@ -168,20 +168,27 @@ class KVCache:
                              f"position {int(bad[0])}")
         # only the cached positions carry state; the rest of each row is scratch
         stop = self.length
-        named = [(name, getattr(self, name))
-                 for name in ("key", "value", "key_scale", "value_scale")
-                 if getattr(self, name) is not None]
-        arrays = [a for _, a in named]
         # every check before the first write: a read-only array found after the keys moved
         # would leave the keys of one beam beside the values of another
-        for name, a in named:
-            if not a.flags.writeable:
-                raise ValueError(f"cache.{name} is read-only: cannot reorder (the cache is "
-                                 "unchanged)")
+        arrays = self._writeable_arrays("reorder")
         moved = [a[idx, :, :stop] for a in arrays]      # copies, taken before any write
         for a, m in zip(arrays, moved):
             a[:, :, :stop] = m
         self._set_lengths(self._lengths[idx])
+
+    def _writeable_arrays(self, action):
+        """The storage arrays (key, value and the int8 scales), or ValueError naming the first
+        read-only one: checked before any write, so that the cache stays as it was."""
+        arrays = []
+        for name in ("key", "value", "key_scale", "value_scale"):
+            a = getattr(self, name)
+            if a is None:
+                continue
+            if not a.flags.writeable:
+                raise ValueError(f"cache.{name} is read-only: cannot {action} (the cache is "
+                                 "unchanged)")
+            arrays.append(a)
+        return arrays
 
     def copy(self):
         """An independent deep copy (storage and lengths)."""
@@ -218,6 +225,8 @@ class KVCache:
         own); _scales gives the int8 scales. The lengths are committed separately (_commit),
         after success. Everything is encoded before anything is stored."""
         stop = plan.k_len
+        # (NumPy's own "assignment destination is read-only" names no argument)
+        self._writeable_arrays("append the new keys and values")
         (k, k_scale), (v, v_scale) = self._format.encode(keys), self._format.encode(values)
         targets = [(self.key, k), (self.value, v)]
         if k_scale is not None:

@@ -300,3 +300,27 @@ def test_direct_construction_checks_its_sizes():
         with pytest.raises(TypeError, match="new_cache"):
             KVCache(**good, dtype=bad)
     assert KVCache(**good, dtype="float64").dtype == np.float64
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", [None, np.float16, "int8"], ids=["f32", "f16", "i8"])
+def test_read_only_cache_error_names_the_array(rng, impl, fmt):
+    """A call through the general path (a prefill) into a cache with a read-only array raised
+    NumPy's "assignment destination is read-only", which names nothing: it names the array
+    now, and the cache is unchanged (and nothing is written to the read-only array)."""
+    mha = pick(make_pair(rng, 16, 4, np.float32, num_kv_heads=2), impl)
+    x = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    cache = mha.new_cache(2, 8, dtype=fmt)
+    mha(x[:, :2], cache=cache)
+    names = ["key", "value"] + (["key_scale", "value_scale"] if fmt == "int8" else [])
+    for name in names:
+        array = getattr(cache, name)
+        saved = array.copy()
+        array.setflags(write=False)
+        with pytest.raises(ValueError, match=f"cache.{name} is read-only"):
+            mha(x[:, 2:5], cache=cache)
+        assert cache.length == 2
+        np.testing.assert_array_equal(array, saved)
+        array.setflags(write=True)
+    out = mha(x[:, 2:5], cache=cache)                # and the cache still works
+    assert out.shape == (2, 3, 16) and cache.length == 5
