@@ -201,16 +201,23 @@ static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t
  * still unchanged. The direct kernel checks so (2 M NV vector operations per nk keys;
  * checking its V tile first would cost as much as its P V of 1-4 rows); the packed kernel
  * checks each V tile once for all its row blocks instead (this check cost it 10-20%:
- * registers). */
+ * registers). pf != NULL (the direct kernel): also prefetch the panel's columns of the pf_n
+ * rows at pf, the next tile's V, a row per key. */
 static inline __attribute__((always_inline)) void
 FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
-              REAL *acc, int dv, ptrdiff_t e0, const int check)
+              REAL *acc, int dv, ptrdiff_t e0, const int check, const REAL *pf, int pf_n)
 {
     VECP a[2 * RB > 2 * DRB_WIDE ? 2 * RB : 2 * DRB_WIDE];
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
             a[i * NV + c] = *(VECP *)(acc + i * dv + e0 + c * WP);
     for (ptrdiff_t t = 0; t < n; t++) {
+        if (pf != NULL && t < pf_n) {
+            const REAL *x = pf + t * v_rs + e0;
+            for (int c = 0; c < NV; c++)
+                __builtin_prefetch(x + c * WP, 0, 2);
+            __builtin_prefetch(x + NV * WP - 1, 0, 2);
+        }
         VECP b[8];
         for (int c = 0; c < NV; c++)
             b[c] = *(const VECP *)(v + t * v_rs + e0 + c * WP);
@@ -253,9 +260,9 @@ FN(softmax_and_pv_)(const int M, REAL *s, int nk, const REAL *vt, ptrdiff_t v_rs
                              window, m, l, acc);
     ptrdiff_t e = 0;
     for (; v_finite && e + 2 * WP <= dv; e += 2 * WP)
-        FN(pv_panel_)(M, 2, s, nk, vt, v_rs, acc, dv, e, 0);
+        FN(pv_panel_)(M, 2, s, nk, vt, v_rs, acc, dv, e, 0, NULL, 0);
     if (v_finite && e + WP <= dv) {
-        FN(pv_panel_)(M, 1, s, nk, vt, v_rs, acc, dv, e, 0);
+        FN(pv_panel_)(M, 1, s, nk, vt, v_rs, acc, dv, e, 0, NULL, 0);
         e += WP;
     }
     if (e < dv)
@@ -442,13 +449,19 @@ FN(store_block_)(const int R, const int KB, const VEC *t, REAL *s, int left)
 }
 
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. Also,
- * with pf_v != NULL, prefetch the K and V rows MHA_DECODE_PREFETCH_KEYS ahead (those that
- * exist: nk_next, the next tile's keys, else none; pf_v is this tile's V): the memory is
- * streamed once, and latency, not bandwidth, limited one thread without it. */
+ * with pf_v != NULL, prefetch the K rows MHA_DECODE_PREFETCH_KEYS ahead (those that exist:
+ * nk_next, the next tile's keys, else none), and with `first` (a task's first tile) the V rows
+ * as well (pf_v is this tile's V): the memory is streamed once, and latency, not bandwidth,
+ * limited one thread without it. The later tiles' V rows are prefetched by the P V panels of
+ * the tile before (direct_pv_), so that each phase streams what it reads next and the memory
+ * is busy during P V too: with both rows here, the scores' phase asked for 2 rows a key while
+ * the P V phase, half the work, asked for none. Zen 4, 2 threads, 8 caches in turn, medians of
+ * 5 interleaved runs: MQA (1, 8, 1, 128) over 32k keys 1.54 -> 1.30 ms; decode_cache_f32 2.82
+ * -> 2.58, float16 1.74 -> 1.53, int8 1.42 -> 1.40 (int8 is bound by its FMAs here). */
 static inline __attribute__((always_inline)) void
 FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                    ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
-                   ptrdiff_t v_rs, int dv, int nk_next)
+                   ptrdiff_t v_rs, int dv, int nk_next, const int first)
 {
     const int KB = R > 4 ? DSUMS / R : W / R;     /* R * KB <= DSUMS sums */
     const ptrdiff_t dvec = (ptrdiff_t)d / W * W;
@@ -458,7 +471,8 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
             kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
         if (pf_v != NULL)
             for (int u = 0; u < KB && MHA_DECODE_PREFETCH_KEYS + c + u < nk + nk_next; u++) {
-                FN(prefetch_row_)(pf_v + (MHA_DECODE_PREFETCH_KEYS + c + u) * v_rs, dv);
+                if (first)
+                    FN(prefetch_row_)(pf_v + (MHA_DECODE_PREFETCH_KEYS + c + u) * v_rs, dv);
                 FN(prefetch_row_)(k + (MHA_DECODE_PREFETCH_KEYS + c + u) * k_rs, d);
             }
         VEC a[DSUMS];
@@ -492,26 +506,27 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
     }
 }
 
-/* acc += P V for the M rows of the direct kernel, NV column vectors a row at a time. */
+/* acc += P V for the M rows of the direct kernel, NV column vectors a row at a time; with pf
+ * != NULL, each panel also prefetches its columns of the pf_n rows at pf (the next tile's V). */
 static inline __attribute__((always_inline)) void
 FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
-               int dv)
+               int dv, const REAL *pf, int pf_n)
 {
     const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);     /* (M = 8: 16 sums, AVX-512 only) */
     ptrdiff_t e = 0;
     for (; e + NV * WP <= dv; e += NV * WP)
-        FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1);
+        FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1, pf, pf_n);
     /* the columns left, in narrower panels (each as many chains as it can have) */
     if (NV > 4 && e + 4 * WP <= dv) {
-        FN(pv_panel_)(M, 4, s, nk, v, v_rs, acc, dv, e, 1);
+        FN(pv_panel_)(M, 4, s, nk, v, v_rs, acc, dv, e, 1, pf, pf_n);
         e += 4 * WP;
     }
     if (NV > 2 && e + 2 * WP <= dv) {
-        FN(pv_panel_)(M, 2, s, nk, v, v_rs, acc, dv, e, 1);
+        FN(pv_panel_)(M, 2, s, nk, v, v_rs, acc, dv, e, 1, pf, pf_n);
         e += 2 * WP;
     }
     if (e + WP <= dv) {
-        FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e, 1);
+        FN(pv_panel_)(M, 1, s, nk, v, v_rs, acc, dv, e, 1, pf, pf_n);
         e += WP;
     }
     if (e < dv)
@@ -527,10 +542,11 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
                   REAL *l, REAL *acc, REAL *s, int prefetch, int nk_next)
 {
     FN(direct_scores_)(M, q, q_rs, d, k + j0 * k_rs, k_rs, nk, scale, s,
-                       prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next);
+                       prefetch ? v + j0 * v_rs : NULL, v_rs, dv, nk_next, prefetch == 2);
     FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
                              window, m, l, acc);
-    FN(direct_pv_)(M, s, nk, v + j0 * v_rs, v_rs, acc, dv);
+    FN(direct_pv_)(M, s, nk, v + j0 * v_rs, v_rs, acc, dv,
+                   prefetch ? v + (j0 + nk) * v_rs : NULL, nk_next);
 }
 
 #define DBLOCK(M)                                                                            \
@@ -538,7 +554,7 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
                       add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,            \
                       limit + r * limit_step, limit_step, window, m + r, l + r,            \
                       acc + r * dv, s,                                                       \
-                      r == 0, nk_next)
+                      r == 0 ? (j0 == k_begin ? 2 : 1) : 0, nk_next)
 
 void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
                                   const REAL *k, ptrdiff_t k_rs, const REAL *v, ptrdiff_t v_rs,

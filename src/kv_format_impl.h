@@ -217,13 +217,15 @@ FN(kv_times_)(float *s, const float *ks, float scale, int n)
  * values halves the conversions and FMAs of 8-value steps, and the head dim's tail is a masked
  * load. Intel Xeon, decode_cache_* shapes, min of 2 interleaved runs, 256 -> 512-bit: from L3
  * (2 caches), 1 thread: float16 3.64 -> 3.40 ms, int8 2.90 -> 2.42; from DRAM (24 caches),
- * 2 threads: float16 2.41 -> 2.26, int8 1.93 -> 1.82. With pf_v: prefetch the K and V rows
- * MHA_DECODE_PREFETCH_KEYS ahead (those that exist: nk_next, the next tile's keys; pf_v: this
- * tile's V; esz: bytes per stored value). */
+ * 2 threads: float16 2.41 -> 2.26, int8 1.93 -> 1.82. With pf_v: prefetch the K rows
+ * MHA_DECODE_PREFETCH_KEYS ahead (those that exist: nk_next, the next tile's keys), and on a
+ * task's `first` tile the V rows too (pf_v: this tile's V; esz: bytes per stored value); the
+ * later tiles' V rows come from kv_pv_panel_ of the tile before (direct_scores_ in
+ * attention_microkernel_impl.h says why, with figures). */
 static inline __attribute__((always_inline)) void
 FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d,
                const void *k, ptrdiff_t k_rs, const float *ks, int nk, float scale, float *s,
-               const void *pf_v, ptrdiff_t v_rs, int dv, int nk_next)
+               const void *pf_v, ptrdiff_t v_rs, int dv, int nk_next, const int first)
 {
     const int KB = WP / R;
     const ptrdiff_t esz = fmt == MHA_KV_F16 ? 2 : 1;
@@ -242,14 +244,17 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
                  * instructions a key for int8 rows of two lines) */
                 const ptrdiff_t span = KB * d * esz;
                 for (ptrdiff_t e = 0; e < span; e += 64) {
-                    __builtin_prefetch(pv + e, 0, 2);
+                    if (first)
+                        __builtin_prefetch(pv + e, 0, 2);
                     __builtin_prefetch(pk + e, 0, 2);
                 }
-                __builtin_prefetch(pv + span - 1, 0, 2);
+                if (first)
+                    __builtin_prefetch(pv + span - 1, 0, 2);
                 __builtin_prefetch(pk + span - 1, 0, 2);
             } else
                 for (int u = 0; u < KB && ahead + u < nk + nk_next; u++) {
-                    FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
+                    if (first)
+                        FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
                     FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
                 }
         }
@@ -330,17 +335,25 @@ static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, con
 /* acc[i * dv + e0 + (0 .. NV * W)) += sum_j s[i * NK + j] v[j * v_rs + e0 + ...] for i < M:
  * the M x NV sums in registers (NV * M <= 8: eight independent FMA chains; with two vectors
  * a row, a one-row task had two), each V row converted once; sums that come out non-finite
- * are redone by kv_pv_exact_ (acc still holds the old ones). The float32 kernel's pv_panel_
- * (attention_microkernel_impl.h) is this loop with plain loads. */
+ * are redone by kv_pv_exact_ (acc still holds the old ones). With pf != NULL, the panel's
+ * bytes of the pf_n rows at pf (the next tile's V) are prefetched, a row per key. The float32
+ * kernel's pv_panel_ (attention_microkernel_impl.h) is this loop with plain loads. */
 static inline __attribute__((always_inline)) void
 FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int nk,
-                 const void *v, ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0)
+                 const void *v, ptrdiff_t v_rs, float *acc, int dv, ptrdiff_t e0,
+                 const void *pf, int pf_n)
 {
+    const ptrdiff_t esz = fmt == MHA_KV_F16 ? 2 : 1;
     VECP a[8];
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NV; c++)
             a[i * NV + c] = *(VECP *)(acc + i * dv + e0 + c * WP);
     for (ptrdiff_t j = 0; j < nk; j++) {
+        if (pf != NULL && j < pf_n) {   /* this panel's bytes of the next tile's V row j */
+            const char *x = (const char *)pf + (j * v_rs + e0) * esz;
+            __builtin_prefetch(x, 0, 2);
+            __builtin_prefetch(x + NV * WP * esz - 1, 0, 2);
+        }
         VECP b[8];
         for (int c = 0; c < NV; c++)
             b[c] = FN(kv_loadp_)(fmt, v, j * v_rs + e0 + c * WP);
@@ -362,23 +375,23 @@ FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int n
 /* acc[i * dv + e] += sum_j s[i * NK + j] v[j * v_rs + e] for i < M and every e. */
 static inline __attribute__((always_inline)) void
 FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, ptrdiff_t v_rs,
-           float *acc, int dv)
+           float *acc, int dv, const void *pf, int pf_n)
 {
     const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);
     ptrdiff_t e = 0;
     for (; e + NV * WP <= dv; e += NV * WP)
-        FN(kv_pv_panel_)(fmt, M, NV, s, nk, v, v_rs, acc, dv, e);
+        FN(kv_pv_panel_)(fmt, M, NV, s, nk, v, v_rs, acc, dv, e, pf, pf_n);
     /* the columns left, in narrower panels (each as many chains as it can have) */
     if (NV > 4 && e + 4 * WP <= dv) {
-        FN(kv_pv_panel_)(fmt, M, 4, s, nk, v, v_rs, acc, dv, e);
+        FN(kv_pv_panel_)(fmt, M, 4, s, nk, v, v_rs, acc, dv, e, pf, pf_n);
         e += 4 * WP;
     }
     if (NV > 2 && e + 2 * WP <= dv) {
-        FN(kv_pv_panel_)(fmt, M, 2, s, nk, v, v_rs, acc, dv, e);
+        FN(kv_pv_panel_)(fmt, M, 2, s, nk, v, v_rs, acc, dv, e, pf, pf_n);
         e += 2 * WP;
     }
     if (e + WP <= dv) {
-        FN(kv_pv_panel_)(fmt, M, 1, s, nk, v, v_rs, acc, dv, e);
+        FN(kv_pv_panel_)(fmt, M, 1, s, nk, v, v_rs, acc, dv, e, pf, pf_n);
         e += WP;
     }
     if (e < dv)
@@ -413,12 +426,13 @@ FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
     const ptrdiff_t esz = fmt == MHA_KV_F16 ? 2 : 1;
     const char *kt = (const char *)k + j0 * k_rs * esz, *vt = (const char *)v + j0 * v_rs * esz;
     FN(kv_scores_)(fmt, M, q, q_rs, d, kt, k_rs, ks == NULL ? NULL : ks + j0, nk, scale, s,
-                   prefetch ? vt : NULL, v_rs, dv, nk_next);
+                   prefetch ? vt : NULL, v_rs, dv, nk_next, prefetch == 2);
     FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
                              window, m, l, acc);
     for (int i = 0; fmt == MHA_KV_I8 && i < M; i++)
         FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
-    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv);
+    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv, prefetch ? vt + nk * v_rs * esz : NULL,
+               nk_next);
 }
 
 static inline __attribute__((always_inline)) void
@@ -434,7 +448,7 @@ FN(kv_direct_)(const int fmt, const float *q, ptrdiff_t q_rs, int rows, int d, c
     FN(kv_block_)(fmt, (M), q + r * q_rs, q_rs, d, k, k_rs, ks, nk, v, v_rs, vs, dv, j0,    \
                   scale, add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,         \
                   limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv,   \
-                  s, r == 0, nk_next)
+                  s, r == 0 ? (j0 == k_begin ? 2 : 1) : 0, nk_next)
     for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK) {
         int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
         ptrdiff_t after = k_end - j0 - nk;
