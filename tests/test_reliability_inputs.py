@@ -90,3 +90,17 @@ def test_big_endian_float64_computes_in_float64(impl):
     m = impl.MultiHeadAttention.from_weights(*[a.astype(">f8") for a in w], num_heads=2)
     assert m.dtype == np.float64
     np.testing.assert_array_equal(m.in_proj_weight, np.concatenate(w[:3]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_near_float32_max_stay_finite_in_float64(causal):
+    # README "range": the one-pass softmax sums weighted values before dividing, so float32
+    # values near 3.4e38 / keys may overflow; the same data in float64 must match the
+    # two-pass reference (the remedy the README gives).
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 6, 8)) for _ in range(3))
+    v = v * 1e38
+    got = mha_cy.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    want = reference.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
