@@ -546,7 +546,7 @@ FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL 
     FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
                              window, m, l, acc);
     FN(direct_pv_)(M, s, nk, v + j0 * v_rs, v_rs, acc, dv,
-                   prefetch ? v + (j0 + nk) * v_rs : NULL, nk_next);
+                   prefetch && nk_next > 0 ? v + (j0 + nk) * v_rs : NULL, nk_next);
 }
 
 #define DBLOCK(M)                                                                            \

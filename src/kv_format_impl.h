@@ -431,8 +431,8 @@ FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
                              window, m, l, acc);
     for (int i = 0; fmt == MHA_KV_I8 && i < M; i++)
         FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
-    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv, prefetch ? vt + nk * v_rs * esz : NULL,
-               nk_next);
+    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv,
+               prefetch && nk_next > 0 ? vt + nk * v_rs * esz : NULL, nk_next);
 }
 
 static inline __attribute__((always_inline)) void
