@@ -100,7 +100,8 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     q (B, Hq, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with Hq % Hkv == 0: query head h
     reads key/value head h // (Hq / Hkv) (GQA, MQA with Hkv = 1; K/V are not repeated).
     attn_mask: bool (True = may attend) or additive, shaped (Lq, Lk), (B, Lq, Lk) or
-    (B, Hq, Lq, Lk), axes of size 1 broadcast. is_causal: query i sees keys j <= i + Lk - Lq
+    (B, Hq, Lq, Lk), axes of size 1 broadcast (a bool (B, 1, 1, Lk) padding mask runs as key
+    padding: a sequence's padded tail is skipped, not masked). is_causal: query i sees keys j <= i + Lk - Lq
     (diagonal at the bottom right). scale: default 1/sqrt(D). A row with every key masked
     gives zeros. window: None or an int >= 1, with is_causal only: query i sees just the keys
     i + Lk - Lq - window < j <= i + Lk - Lq (sliding-window attention; the keys before the
@@ -120,10 +121,23 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     if 0 in shape or k.shape[2] == 0:             # nothing to compute or to attend to
         return np.zeros(shape, dtype=q.dtype)
     out = np.empty(shape, dtype=q.dtype)
+    padding = None if attn_mask is None else _as_key_padding(attn_mask, q.shape[0])
+    if padding is not None:
+        attn_mask = None
     with blas_single_threaded():
-        _attend(_blas_operand(q), _blas_operand(k), _blas_operand(v), out, attn_mask, None,
+        _attend(_blas_operand(q), _blas_operand(k), _blas_operand(v), out, attn_mask, padding,
                 is_causal, scale, None, kernel_threads(), window)
     return out
+
+
+def _as_key_padding(mask, batch):
+    """A bool attn_mask (4-D, as check_attn_mask gives it) that varies only along the batch and
+    the keys, (B or 1, 1, 1, Lk): PyTorch's usual padding mask. As key padding (B, Lk), True =
+    hidden, the kernel skips each sequence's trailing padded key tiles and reads no additive
+    mask, with the same results (a hidden key weighs +0 either way). None for other masks."""
+    if mask.dtype != np.bool_ or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return None
+    return np.logical_not(np.broadcast_to(mask[:, 0, 0, :], (batch, mask.shape[3])))
 
 
 def _token_rows(x):
