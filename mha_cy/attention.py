@@ -99,13 +99,13 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
 
     q (B, Hq, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with Hq % Hkv == 0: query head h
     reads key/value head h // (Hq / Hkv) (GQA, MQA with Hkv = 1; K/V are not repeated).
-    attn_mask: bool (True = may attend) or additive, shaped (Lq, Lk), (B, Lq, Lk) or
-    (B, Hq, Lq, Lk), axes of size 1 broadcast (a bool (B, 1, 1, Lk) padding mask runs as key
-    padding: a sequence's padded tail is skipped, not masked). is_causal: query i sees keys j <= i + Lk - Lq
-    (diagonal at the bottom right). scale: default 1/sqrt(D). A row with every key masked
-    gives zeros. window: None or an int >= 1, with is_causal only: query i sees just the keys
-    i + Lk - Lq - window < j <= i + Lk - Lq (sliding-window attention; the keys before the
-    window are not read). Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
+    attn_mask: bool (True = may attend) or additive, shaped (Lq, Lk), (B, Lq, Lk) or (B, Hq, Lq,
+    Lk), axes of size 1 broadcast (a bool (B, 1, 1, Lk) padding mask runs as key padding: a
+    sequence's padded tail is skipped, not masked). is_causal: query i sees keys j <= i + Lk -
+    Lq (diagonal at the bottom right). scale: default 1/sqrt(D). A row with every key masked
+    gives zeros. window: None or an int >= 1, with is_causal only: query i sees just the keys i
+    + Lk - Lq - window < j <= i + Lk - Lq (sliding-window attention; the keys before the window
+    are not read). Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
     """
     if (attn_mask is None and scale is None and window is None
             and (is_causal is False or is_causal is True)):
