@@ -533,6 +533,9 @@ FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs
         FN(pv_exact_)(M, s, nk, v, v_rs, acc, dv, e, dv);
 }
 
+/* One block of M rows against the keys [j0, j0 + nk). prefetch: 0 none (not the task's first
+ * row block), 1 K ahead and the next tile's V, 2 the same plus this tile's V (a task's first
+ * tile, which no tile before prefetched). */
 static inline __attribute__((always_inline)) void
 FN(direct_block_)(const int M, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
                   ptrdiff_t k_rs, int nk, const REAL *v, ptrdiff_t v_rs, int dv, ptrdiff_t j0,

@@ -414,7 +414,9 @@ static inline __attribute__((always_inline)) void FN(kv_fold_scales_)(float *p, 
 }
 
 /* One block of M rows against the keys [j0, j0 + nk): scores, the masks and online softmax
- * of attention_tile.c per row (the float32 path's mask and NaN semantics), P V. */
+ * of attention_tile.c per row (the float32 path's mask and NaN semantics), P V. prefetch as
+ * in attention_microkernel_impl.h's direct_block_: 0 none, 1 K ahead and the next tile's V,
+ * 2 the same plus this tile's V (a task's first tile). */
 static inline __attribute__((always_inline)) void
 FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
               const void *k, ptrdiff_t k_rs, const float *ks, int nk, const void *v,
