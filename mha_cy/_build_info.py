@@ -5,8 +5,8 @@ import platform
 import sys
 
 from ._blas_kernel import blas_warning
-from ._cpu_features import (build_flags, compiler_version, cpu_simd_level, native_build,
-                            simd_level)
+from ._cpu_features import (build_flags, compiler_version, cpu_simd_level, int8_dot,
+                            native_build, simd_level)
 from ._openmp_helpers import openmp_enabled, openmp_max_threads
 from ._threads import _scipy_blas_info, get_num_threads
 from ._version import __version__
@@ -47,6 +47,9 @@ def build_info():
                      "generic"; "native" in native builds): the CPU's best, or the lower
                      one the environment variable MHA_CY_SIMD forces
       simd_cpu       the best level this CPU runs (str, same values)
+      int8_dot       how an int8 KV cache's decode steps multiply: "vnni" (integer
+                     products, AVX512-VNNI at the avx512 level) or "float"; the
+                     environment variable MHA_CY_INT8_DOT=float forces "float"
       native_build   built with MHA_CY_NATIVE=1 / -march=native (bool)
       python, numpy, scipy   versions (str)
       compiler       {"version": ..., "flags": extra C flags of the build} (dict)
@@ -66,6 +69,7 @@ def build_info():
         "blas_warning": blas_warning(core, simd, os.environ),
         "simd": simd,
         "simd_cpu": cpu_simd_level(),
+        "int8_dot": int8_dot(),
         "native_build": native_build(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,
@@ -96,7 +100,7 @@ def format_build_info(info=None):
         f"mha_cy {info['version']}",
         f"  OpenMP:   {openmp}; kernels use {info['num_threads']} thread(s), "
         f"OpenMP max {info['max_threads']}",
-        f"  SIMD:     {info['simd']}{native}",
+        f"  SIMD:     {info['simd']}{native}; int8 cache products: {info.get('int8_dot', '?')}",
         f"  BLAS:     {blas_line}",
         *([f"  WARNING:  {info['blas_warning']}"] if info.get("blas_warning") else []),
         f"  compiler: {compiler.get('version', 'unknown')}  {compiler.get('flags', '')}".rstrip(),

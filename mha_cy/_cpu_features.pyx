@@ -6,6 +6,7 @@ cdef extern from "cpu_features.h":
     int mha_native_build() noexcept nogil
     const char *mha_compiler_version() noexcept nogil
     const char *mha_build_flags() noexcept nogil
+    const char *mha_int8_dot_name() noexcept nogil
 
 
 def simd_level():
@@ -17,6 +18,13 @@ def simd_level():
 def cpu_simd_level():
     """The best SIMD level this CPU runs, whatever MHA_CY_SIMD says."""
     return mha_simd_cpu_level().decode("ascii")
+
+
+def int8_dot():
+    """How the int8 KV cache's decode kernel multiplies: 'vnni' (AVX512-VNNI integer products,
+    q and the probabilities rounded to 16 bits) or 'float' (float products of the dequantized
+    values; MHA_CY_INT8_DOT=float forces it)."""
+    return mha_int8_dot_name().decode("ascii")
 
 
 def native_build():

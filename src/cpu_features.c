@@ -38,13 +38,16 @@ static int mha_simd_requested(void)
     return -1;   /* "auto", or a typo that mha_cy/_simd.py reports at import */
 }
 
-static int mha_isa = -1;
+static int mha_isa = -1, mha_dot = 0;
 
 /* At load time, before any kernel can run in any thread: no lazy initialization race. */
 __attribute__((constructor)) static void mha_simd_isa_init(void)
 {
     int best = mha_simd_cpu_isa(), requested = mha_simd_requested();
+    const char *dot = getenv("MHA_CY_INT8_DOT");
     mha_isa = requested >= 0 && requested < best ? requested : best;
+    mha_dot = mha_isa == MHA_ISA_AVX512 && __builtin_cpu_supports("avx512vnni")
+              && !(dot != NULL && strcmp(dot, "float") == 0);
 }
 
 int mha_simd_isa(void)
@@ -53,9 +56,19 @@ int mha_simd_isa(void)
         mha_simd_isa_init();
     return mha_isa;
 }
+
+int mha_int8_dot(void)
+{
+    if (mha_isa < 0)
+        mha_simd_isa_init();
+    return mha_dot;
+}
 #else
 int mha_simd_isa(void) { return MHA_ISA_BASE; }   /* one compiled level: nothing to pick */
+int mha_int8_dot(void) { return 0; }
 #endif
+
+const char *mha_int8_dot_name(void) { return mha_int8_dot() ? "vnni" : "float"; }
 
 const char *mha_simd_level(void)
 {

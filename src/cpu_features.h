@@ -23,6 +23,13 @@ int mha_simd_isa(void);
 /* The best level this CPU runs, whatever MHA_CY_SIMD says. */
 int mha_simd_cpu_isa(void);
 
+/* 1 when the int8 KV cache's decode kernel multiplies in integers (kv_int8_dot_impl.h): the
+ * kernels run the AVX-512 level, the CPU has AVX512-VNNI, and the environment variable
+ * MHA_CY_INT8_DOT is not "float" (which keeps the float products: tests of both paths).
+ * mha_int8_dot_name: "vnni" or "float". Read at load time, as mha_simd_isa. */
+int mha_int8_dot(void);
+const char *mha_int8_dot_name(void);
+
 /* The name of what runs: "avx512", "avx2", "sse2" (the x86-64 baseline) where the kernels
  * dispatch (gcc, x86-64), "native" for a -march=native build (no dispatch), "generic" for
  * other compilers / CPUs. mha_simd_cpu_level: the same for the best level of the CPU.

@@ -34,12 +34,31 @@ static inline float mha_half_to_float(uint16_t h)
 
 #define DRB 4          /* query rows per block of the direct kernel, as attention_microkernel.c */
 #define MHA_KV_NK 64   /* keys per tile of the direct kernel (its scores: DRB x NK floats) */
+/* The integer products' limits (kv_int8_dot_impl.h): rows rounded at once (the direct rule's
+ * MHA_FUSED_DIRECT_MAX_ROWS), and head dims (the fused kernels' MHA_FUSED_MAX_HEAD_DIM; q16 . k
+ * stays within int32 up to 516). Tasks beyond them run the float products. */
+#define MHA_KV_DOT_MAX_ROWS 8
+#define MHA_KV_DOT_MAX_D 256
 #define MHA_IMPL "kv_format_impl.h"
 #define TYPE_SUFFIX f32
 #define REAL float     /* the type of the queries, scores and outputs (softmax_row_impl.h) */
 #define EXP mha_exp_f32
 #define EXP_C(name) MHA_EXP_F32_##name
 #include "simd_isas.h"
+#ifdef MHA_SIMD_DISPATCH
+/* The int8 direct kernel once more, with AVX512-VNNI's integer products (kv_int8_dot_impl.h),
+ * for CPUs that have them (mha_int8_dot()). */
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4,avx512vnni")
+#define SUFFIX MHA_ISA_CAT(TYPE_SUFFIX, _vnni)
+#define MHA_ISA_WIDE_BYTES 64
+#define MHA_KV_INT8_DOT 1
+#include MHA_IMPL
+#undef MHA_KV_INT8_DOT
+#undef MHA_ISA_WIDE_BYTES
+#undef SUFFIX
+#pragma GCC pop_options
+#endif
 #undef TYPE_SUFFIX
 #undef REAL
 #undef EXP
@@ -69,6 +88,12 @@ void mha_kv_attend_direct_i8_f32(const float *q, ptrdiff_t q_rs, int rows, int d
                                  ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
                                  float *acc, float *work)
 {
+    if (mha_int8_dot()) {
+        mha_kv_attend_direct_i8_f32_vnni(q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs, v_scale,
+                                         dv, k_begin, k_end, scale, add, add_rs, add_ks, pad,
+                                         limit, limit_step, window, m, l, acc, work);
+        return;
+    }
     MHA_SIMD_CALL(mha_kv_attend_direct_i8_f32, (q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs,
                   v_scale, dv, k_begin, k_end, scale, add, add_rs, add_ks, pad, limit,
                   limit_step, window, m, l, acc, work))

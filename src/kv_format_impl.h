@@ -100,6 +100,7 @@ FN(kv_load_)(const int fmt, const void *src, ptrdiff_t src_rs, const float *scal
     }
 }
 
+#ifndef MHA_KV_INT8_DOT    /* the VNNI level exports the int8 direct kernel only */
 void FN(mha_kv_load_f16_)(const uint16_t *src, ptrdiff_t src_rs, int n, int d, float *dst,
                           ptrdiff_t dst_rs)
 {
@@ -111,6 +112,7 @@ void FN(mha_kv_load_i8_)(const int8_t *src, ptrdiff_t src_rs, const float *scale
 {
     FN(kv_load_)(MHA_KV_I8, src, src_rs, scale, n, d, dst, dst_rs);
 }
+#endif
 
 /* [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
 static inline VEC FN(kv_hadd_)(VEC a, VEC b)
@@ -131,32 +133,35 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
 #if MHA_ISA_WIDE_BYTES == 64
 typedef int FN(kvmaskp_) __attribute__((vector_size(WP * sizeof(float))));
 
-/* per 128-bit chunk c: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of that chunk (vshufps) */
-static inline VECP FN(kv_hadd16_)(VECP a, VECP b)
-{
-    return __builtin_shuffle(a, b, (FN(kvmaskp_)){0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26,
-                                                  12, 14, 28, 30})
-         + __builtin_shuffle(a, b, (FN(kvmaskp_)){1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27,
-                                                  13, 15, 29, 31});
-}
+/* per 128-bit chunk c: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of that chunk (vshufps); a and b
+ * are vectors of 16 floats or 16 int32 (the integer products of kv_int8_dot_impl.h) */
+#define KV_HADD16(a, b)                                                                      \
+    (__builtin_shuffle(a, b, (FN(kvmaskp_)){0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12,   \
+                                            14, 28, 30})                                     \
+     + __builtin_shuffle(a, b, (FN(kvmaskp_)){1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, \
+                                              15, 29, 31}))
 
 /* [a.c0 + a.c1, a.c2 + a.c3, b.c0 + b.c1, b.c2 + b.c3] of the 128-bit chunks (vshuff32x4) */
-static inline VECP FN(kv_hadd_chunks_)(VECP a, VECP b)
-{
-    return __builtin_shuffle(a, b, (FN(kvmaskp_)){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
-                                                  24, 25, 26, 27})
-         + __builtin_shuffle(a, b, (FN(kvmaskp_)){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
-                                                  28, 29, 30, 31});
-}
+#define KV_HADD_CHUNKS(a, b)                                                                 \
+    (__builtin_shuffle(a, b, (FN(kvmaskp_)){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,    \
+                                            25, 26, 27})                                     \
+     + __builtin_shuffle(a, b, (FN(kvmaskp_)){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,    \
+                                              28, 29, 30, 31}))
 
-/* lane i = sum of the lanes of v[i], i < 16: within each chunk first, then across them */
+/* lane i = sum of the lanes of v[i], i < 16, v an array of 16 vectors of type T: within each
+ * chunk first, then across them */
+#define KV_REDUCE16(T, v)                                                                    \
+    ({                                                                                       \
+        T f_[4];                                                                             \
+        for (int t_ = 0; t_ < 4; t_++)                                                       \
+            f_[t_] = KV_HADD16(KV_HADD16(v[4 * t_], v[4 * t_ + 1]),                          \
+                               KV_HADD16(v[4 * t_ + 2], v[4 * t_ + 3]));                     \
+        KV_HADD_CHUNKS(KV_HADD_CHUNKS(f_[0], f_[1]), KV_HADD_CHUNKS(f_[2], f_[3]));          \
+    })
+
 static inline __attribute__((always_inline)) VECP FN(kv_reducep_)(const VECP *v)
 {
-    VECP f[4];
-    for (int t = 0; t < 4; t++)
-        f[t] = FN(kv_hadd16_)(FN(kv_hadd16_)(v[4 * t], v[4 * t + 1]),
-                              FN(kv_hadd16_)(v[4 * t + 2], v[4 * t + 3]));
-    return FN(kv_hadd_chunks_)(FN(kv_hadd_chunks_)(f[0], f[1]), FN(kv_hadd_chunks_)(f[2], f[3]));
+    return KV_REDUCE16(VECP, v);
 }
 
 /* stored values i .. i + n - 1 of `base` (n < 16) as floats, the other lanes 0 */
@@ -211,6 +216,38 @@ FN(kv_times_)(float *s, const float *ks, float scale, int n)
         s[j] *= scale * ks[j];
 }
 
+/* kv_scores_'s prefetches for its block of KB keys from key c: the K rows
+ * MHA_DECODE_PREFETCH_KEYS keys ahead (those below n_avail: the tile's and the next tile's),
+ * and on a task's `first` tile the V rows too (esz: bytes per stored value). */
+static inline __attribute__((always_inline)) void
+FN(kv_prefetch_ahead_)(const ptrdiff_t esz, const void *k, ptrdiff_t k_rs, int d,
+                       const void *pf_v, ptrdiff_t v_rs, int dv, ptrdiff_t c, const int KB,
+                       ptrdiff_t n_avail, const int first)
+{
+    const ptrdiff_t ahead = MHA_DECODE_PREFETCH_KEYS + c;
+    const char *pv = (const char *)pf_v + ahead * v_rs * esz;
+    const char *pk = (const char *)k + ahead * k_rs * esz;
+    if (v_rs == dv && k_rs == d && dv == d && ahead + KB <= n_avail) {
+        /* contiguous rows: the V and K rows of the block's keys, that far ahead, as
+         * two spans, a line of each in turn (the per-row loops cost about 35
+         * instructions a key for int8 rows of two lines) */
+        const ptrdiff_t span = KB * d * esz;
+        for (ptrdiff_t e = 0; e < span; e += 64) {
+            if (first)
+                __builtin_prefetch(pv + e, 0, 2);
+            __builtin_prefetch(pk + e, 0, 2);
+        }
+        if (first)
+            __builtin_prefetch(pv + span - 1, 0, 2);
+        __builtin_prefetch(pk + span - 1, 0, 2);
+    } else
+        for (int u = 0; u < KB && ahead + u < n_avail; u++) {
+            if (first)
+                FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
+            FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
+        }
+}
+
 /* s[i * NK + c] = scale * s_k[c] * (q_i . k_c) for i < R, c < nk: blocks of R rows x KB = WP / R
  * keys, whose WP vectors of partial sums one shuffle tree reduces (each K row is loaded, and
  * converted, once per block of rows). On the level's widest vectors: at AVX-512 a step of 16
@@ -234,30 +271,8 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
         ptrdiff_t kr[WP];
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = (c + u < nk ? c + u : c) * k_rs;
-        if (pf_v != NULL) {
-            const ptrdiff_t ahead = MHA_DECODE_PREFETCH_KEYS + c;
-            const char *pv = (const char *)pf_v + ahead * v_rs * esz;
-            const char *pk = (const char *)k + ahead * k_rs * esz;
-            if (v_rs == dv && k_rs == d && dv == d && ahead + KB <= nk + nk_next) {
-                /* contiguous rows: the V and K rows of the block's keys, that far ahead, as
-                 * two spans, a line of each in turn (the per-row loops cost about 35
-                 * instructions a key for int8 rows of two lines) */
-                const ptrdiff_t span = KB * d * esz;
-                for (ptrdiff_t e = 0; e < span; e += 64) {
-                    if (first)
-                        __builtin_prefetch(pv + e, 0, 2);
-                    __builtin_prefetch(pk + e, 0, 2);
-                }
-                if (first)
-                    __builtin_prefetch(pv + span - 1, 0, 2);
-                __builtin_prefetch(pk + span - 1, 0, 2);
-            } else
-                for (int u = 0; u < KB && ahead + u < nk + nk_next; u++) {
-                    if (first)
-                        FN(kv_prefetch_)(pv + u * v_rs * esz, dv * esz);
-                    FN(kv_prefetch_)(pk + u * k_rs * esz, d * esz);
-                }
-        }
+        if (pf_v != NULL)
+            FN(kv_prefetch_ahead_)(esz, k, k_rs, d, pf_v, v_rs, dv, c, KB, nk + nk_next, first);
         VECP a[WP];
         for (int i = 0; i < WP; i++)
             a[i] = (VECP){0};
@@ -413,32 +428,59 @@ static inline __attribute__((always_inline)) void FN(kv_fold_scales_)(float *p, 
         p[j] = p[j] == 0 ? 0 : p[j] * vs[j];
 }
 
+#ifdef MHA_KV_INT8_DOT
+#include "kv_int8_dot_impl.h"
+#endif
+
 /* One block of M rows against the keys [j0, j0 + nk): scores, the masks and online softmax
  * of attention_tile.c per row (the float32 path's mask and NaN semantics), P V. prefetch as
  * in attention_microkernel_impl.h's direct_block_: 0 none, 1 K ahead and the next tile's V,
- * 2 the same plus this tile's V (a task's first tile). */
+ * 2 the same plus this tile's V (a task's first tile). With `dot` (int8 at the VNNI level
+ * only): the integer products of kv_int8_dot_impl.h, q16 / sq the block's rounded rows. */
 static inline __attribute__((always_inline)) void
-FN(kv_block_)(const int fmt, const int M, const float *q, ptrdiff_t q_rs, int d,
-              const void *k, ptrdiff_t k_rs, const float *ks, int nk, const void *v,
-              ptrdiff_t v_rs, const float *vs, int dv, ptrdiff_t j0, float scale,
-              const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad,
-              ptrdiff_t limit, ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
-              float *acc, float *s, int prefetch, int nk_next)
+FN(kv_block_)(const int fmt, const int dot, const int M, const float *q, ptrdiff_t q_rs, int d,
+              const int16_t *q16, int dp, const float *sq, const void *k, ptrdiff_t k_rs,
+              const float *ks, int nk, const void *v, ptrdiff_t v_rs, const float *vs, int dv,
+              ptrdiff_t j0, float scale, const float *add, ptrdiff_t add_rs, ptrdiff_t add_ks,
+              const unsigned char *pad, ptrdiff_t limit, ptrdiff_t limit_step,
+              ptrdiff_t window, float *m, float *l, float *acc, float *s, int prefetch,
+              int nk_next)
 {
     const ptrdiff_t esz = fmt == MHA_KV_F16 ? 2 : 1;
     const char *kt = (const char *)k + j0 * k_rs * esz, *vt = (const char *)v + j0 * v_rs * esz;
+    const void *pf = prefetch && nk_next > 0 ? vt + nk * v_rs * esz : NULL;
+#ifdef MHA_KV_INT8_DOT
+    if (dot) {
+        int16_t p16[DRB * (NK + 2)];
+        float sp[DRB];
+        FN(kv_dot_scores_)(M, q16, dp, sq, d, (const int8_t *)kt, k_rs, ks + j0, nk, scale, s,
+                           prefetch ? vt : NULL, v_rs, dv, nk_next, prefetch == 2);
+        FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit,
+                                 limit_step, window, m, l, acc);
+        for (int i = 0; i < M; i++)
+            FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
+        if (FN(kv_dot_quantize_p_)(M, s, nk, p16, sp))
+            FN(kv_dot_pv_)(M, p16, sp, nk, (const int8_t *)vt, v_rs, acc, dv, pf, nk_next);
+        else     /* NaN or inf in the tile's probabilities: the float products propagate it */
+            FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv, pf, nk_next);
+        return;
+    }
+#endif
+    (void)dot, (void)q16, (void)dp, (void)sq;
     FN(kv_scores_)(fmt, M, q, q_rs, d, kt, k_rs, ks == NULL ? NULL : ks + j0, nk, scale, s,
                    prefetch ? vt : NULL, v_rs, dv, nk_next, prefetch == 2);
     FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
                              window, m, l, acc);
     for (int i = 0; fmt == MHA_KV_I8 && i < M; i++)
         FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
-    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv,
-               prefetch && nk_next > 0 ? vt + nk * v_rs * esz : NULL, nk_next);
+    FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv, pf, nk_next);
 }
 
+/* Every block of rows against every tile of [k_begin, k_end). With `dot`: q16 / sq hold every
+ * row rounded (kv_dot_quantize_q_), dp int16 a row. */
 static inline __attribute__((always_inline)) void
-FN(kv_direct_)(const int fmt, const float *q, ptrdiff_t q_rs, int rows, int d, const void *k,
+FN(kv_direct_)(const int fmt, const int dot, const int16_t *q16, int dp, const float *sq,
+               const float *q, ptrdiff_t q_rs, int rows, int d, const void *k,
                ptrdiff_t k_rs, const float *ks, const void *v, ptrdiff_t v_rs, const float *vs,
                int dv, ptrdiff_t k_begin, ptrdiff_t k_end, float scale, const float *add,
                ptrdiff_t add_rs, ptrdiff_t add_ks, const unsigned char *pad, ptrdiff_t limit,
@@ -447,7 +489,8 @@ FN(kv_direct_)(const int fmt, const float *q, ptrdiff_t q_rs, int rows, int d, c
 {
     float *s = work;
 #define KV_BLOCK(M)                                                                          \
-    FN(kv_block_)(fmt, (M), q + r * q_rs, q_rs, d, k, k_rs, ks, nk, v, v_rs, vs, dv, j0,    \
+    FN(kv_block_)(fmt, dot, (M), q + r * q_rs, q_rs, d, q16 + r * dp, dp, sq + r, k, k_rs,  \
+                  ks, nk, v, v_rs, vs, dv, j0,                                               \
                   scale, add == NULL ? NULL : add + r * add_rs, add_rs, add_ks, pad,         \
                   limit + r * limit_step, limit_step, window, m + r, l + r, acc + r * dv,   \
                   s, r == 0 ? (j0 == k_begin ? 2 : 1) : 0, nk_next)
@@ -473,6 +516,7 @@ FN(kv_direct_)(const int fmt, const float *q, ptrdiff_t q_rs, int rows, int d, c
 #undef KV_BLOCK
 }
 
+#ifndef MHA_KV_INT8_DOT
 void FN(mha_kv_attend_direct_f16_)(const float *q, ptrdiff_t q_rs, int rows, int d,
                                    const uint16_t *k, ptrdiff_t k_rs, const uint16_t *v,
                                    ptrdiff_t v_rs, int dv, ptrdiff_t k_begin, ptrdiff_t k_end,
@@ -481,10 +525,11 @@ void FN(mha_kv_attend_direct_f16_)(const float *q, ptrdiff_t q_rs, int rows, int
                                    ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
                                    float *acc, float *work)
 {
-    FN(kv_direct_)(MHA_KV_F16, q, q_rs, rows, d, k, k_rs, NULL, v, v_rs, NULL, dv, k_begin,
-                   k_end, scale, add, add_rs, add_ks, pad, limit, limit_step, window, m, l, acc,
-                   work);
+    FN(kv_direct_)(MHA_KV_F16, 0, NULL, 0, NULL, q, q_rs, rows, d, k, k_rs, NULL, v, v_rs,
+                   NULL, dv, k_begin, k_end, scale, add, add_rs, add_ks, pad, limit, limit_step,
+                   window, m, l, acc, work);
 }
+#endif
 
 void FN(mha_kv_attend_direct_i8_)(const float *q, ptrdiff_t q_rs, int rows, int d,
                                   const int8_t *k, ptrdiff_t k_rs, const float *k_scale,
@@ -495,13 +540,29 @@ void FN(mha_kv_attend_direct_i8_)(const float *q, ptrdiff_t q_rs, int rows, int 
                                   ptrdiff_t limit_step, ptrdiff_t window, float *m, float *l,
                                   float *acc, float *work)
 {
-    FN(kv_direct_)(MHA_KV_I8, q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs, v_scale, dv,
-                   k_begin, k_end, scale, add, add_rs, add_ks, pad, limit, limit_step, window,
-                   m, l, acc, work);
+#ifdef MHA_KV_INT8_DOT
+    /* the integer products where their sums stay exact in int32 and q is finite */
+    const int dp = (d + 31) / 32 * 32;
+    int16_t q16[MHA_KV_DOT_MAX_ROWS * MHA_KV_DOT_MAX_D];
+    float sq[MHA_KV_DOT_MAX_ROWS];
+    if (rows <= MHA_KV_DOT_MAX_ROWS && d <= MHA_KV_DOT_MAX_D
+        && FN(kv_dot_quantize_q_)(rows, q, q_rs, d, dp, q16, sq)) {
+        FN(kv_direct_)(MHA_KV_I8, 1, q16, dp, sq, q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs,
+                       v_scale, dv, k_begin, k_end, scale, add, add_rs, add_ks, pad, limit,
+                       limit_step, window, m, l, acc, work);
+        return;
+    }
+#endif
+    FN(kv_direct_)(MHA_KV_I8, 0, NULL, 0, NULL, q, q_rs, rows, d, k, k_rs, k_scale, v, v_rs,
+                   v_scale, dv, k_begin, k_end, scale, add, add_rs, add_ks, pad, limit,
+                   limit_step, window, m, l, acc, work);
 }
 
 #undef VEC
 #undef VECP
+#undef KV_HADD16
+#undef KV_HADD_CHUNKS
+#undef KV_REDUCE16
 #undef kv_reducep_
 #undef WP
 #undef NK
