@@ -24,6 +24,12 @@
  * the float kernel. */
 
 #define KV_DOT_P_STRIDE (NK + 2)     /* int16 probabilities of a row (a tile, padded even) */
+/* The smallest nonzero row maximum rounded to 16 bits: 2^-96, so that 32767 / max fits in
+ * float32 (it overflows below ~1e-34, and every value would round to -32768) and max / 32767
+ * stays a normal float (full precision). Rows below it run the float products: a query that
+ * small against keys that large, values that small, or a tile whose scores all lie some 60
+ * or more below the running maximum. */
+#define KV_DOT_MIN_MAX 0x1p-96f
 
 typedef int FN(kvint_) __attribute__((vector_size(64)));
 
@@ -51,9 +57,10 @@ static int FN(kv_dot_quantize_q_)(int rows, const float *q, ptrdiff_t q_rs, int 
             bad = _mm512_add_ps(bad, _mm512_sub_ps(x, x));   /* NaN for inf and NaN */
             mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
         }
-        if (_mm512_reduce_add_ps(bad) != 0.0f)                /* NaN != 0 too */
+        float m = _mm512_reduce_max_ps(mx);
+        if (_mm512_reduce_add_ps(bad) != 0.0f || (m > 0 && m < KV_DOT_MIN_MAX))  /* NaN != 0 */
             return 0;
-        float m = _mm512_reduce_max_ps(mx), inv = m > 0 ? 32767.0f / m : 0.0f;
+        float inv = m > 0 ? 32767.0f / m : 0.0f;
         sq[i] = m / 32767.0f;
         for (ptrdiff_t p = 0; p < dp; p += 16) {
             __m512 x = _mm512_maskz_loadu_ps(FN(kv_dot_mask16_)(d - p), qi + p);
@@ -78,9 +85,10 @@ FN(kv_dot_quantize_p_)(const int M, const float *s, int nk, int16_t *p16, float 
             bad = _mm512_add_ps(bad, _mm512_sub_ps(x, x));
             mx = _mm512_max_ps(mx, x);
         }
-        if (_mm512_reduce_add_ps(bad) != 0.0f)
+        float m = _mm512_reduce_max_ps(mx);
+        if (_mm512_reduce_add_ps(bad) != 0.0f || (m > 0 && m < KV_DOT_MIN_MAX))
             return 0;
-        float m = _mm512_reduce_max_ps(mx), inv = m > 0 ? 32767.0f / m : 0.0f;
+        float inv = m > 0 ? 32767.0f / m : 0.0f;
         sp[i] = m / 32767.0f;
         for (ptrdiff_t j = 0; j < nk + 1; j += 16) {
             __mmask16 k = FN(kv_dot_mask16_)(nk + 1 - j);
@@ -215,3 +223,4 @@ FN(kv_dot_pv_)(const int M, const int16_t *p16, const float *sp, int nk, const i
 }
 
 #undef KV_DOT_P_STRIDE
+#undef KV_DOT_MIN_MAX

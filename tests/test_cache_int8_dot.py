@@ -128,6 +128,31 @@ def test_largest_products_stay_exact():
         assert_exact(out, expected, "int8", np.abs(vf).max(), err_msg=f"D={D}")
 
 
+
+@pytest.mark.parametrize("q_mag, k_mag, v_mag", [
+    (1.0, 1.0, 1e-33),       # values so small that 32767 / max p overflows float32
+    (1e-36, 1e36, 1.0),      # a query so small that 32767 / max |q| overflows float32
+    (1e-20, 1e20, 1e-25),    # both small, still within range
+    (1.0, 30.0, 1.0),        # scores ~100 apart: far tiles' probabilities underflow to ~1e-40
+])
+def test_extreme_magnitudes_keep_the_relative_error(q_mag, k_mag, v_mag):
+    """Rounding to 16 bits is relative to a row's (a tile's) largest value: wherever that
+    largest value is too small for the reciprocal to fit in float32, the kernel must not
+    round against an overflowed scale (the float products take over), so the error stays
+    within INT8_DOT_BOUND of max |V| at any magnitude."""
+    rng = np.random.default_rng(3)
+    D, Lk = 64, 300
+    q = (rng.standard_normal((1, 4, 1, D)) * q_mag).astype(np.float32)
+    k, v, ks, vs, kf, vf = stored(rng, "int8", (1, 1, Lk, D))
+    ks = (ks * np.float32(k_mag)).astype(np.float32)
+    vs = (vs * np.float32(v_mag)).astype(np.float32)
+    kf = k * ks[..., None]
+    vf = v * vs[..., None]
+    out = run(q, k, v, ks, vs, None, None)
+    expected, _ = reference._attention(q, kf, vf, None, None, True, 1 / np.sqrt(D))
+    assert np.isfinite(expected).all()
+    assert_exact(out, expected, "int8", np.abs(vf).max())
+
 def test_zero_query_is_the_mean_of_the_values():
     rng = np.random.default_rng(1)
     q = np.zeros((1, 4, 1, 64), np.float32)
