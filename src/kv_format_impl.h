@@ -413,19 +413,23 @@ FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, pt
         FN(kv_pv_exact_)(fmt, M, s, nk, v, v_rs, acc, dv, e, dv);
 }
 
-/* p[j] = p[j] == 0 ? 0 : p[j] * vs[j] for j < n: the value scales folded into the
- * probabilities; a masked key (p = 0) stays 0 even when its row held NaN (scale NaN). */
+/* p[j] *= vs[j] for j < n, except a hidden key's -0.0 (attention_tile.h), which stays:
+ * the value scales folded into the probabilities. A hidden key's row is never read even when
+ * it held NaN (scale NaN), while a visible key's scale is always multiplied in, even by a
+ * probability that underflowed to +0 (0 * NaN = NaN, as in the float32 path). */
 static inline __attribute__((always_inline)) void FN(kv_fold_scales_)(float *p, const float *vs,
                                                                       int n)
 {
     int j = 0;
     for (; j + W <= n; j += W) {
         VEC x = *(VEC *)(p + j);
-        FN(kvmask_) zero = x == 0;
-        *(VEC *)(p + j) = (VEC)((FN(kvmask_))(x * *(const VEC *)(vs + j)) & ~zero);
+        FN(kvmask_) bits = (FN(kvmask_))x, hidden = bits == (int)0x80000000u;
+        *(VEC *)(p + j) = (VEC)(((FN(kvmask_))(x * *(const VEC *)(vs + j)) & ~hidden)
+                                | (bits & hidden));
     }
     for (; j < n; j++)
-        p[j] = p[j] == 0 ? 0 : p[j] * vs[j];
+        if (!(p[j] == 0 && signbit(p[j])))
+            p[j] *= vs[j];
 }
 
 #ifdef MHA_KV_INT8_DOT

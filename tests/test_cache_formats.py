@@ -382,6 +382,38 @@ def test_nan_in_written_key_is_not_silently_finite(rng, fmt):
     assert np.isnan(out).all()
 
 
+
+@pytest.mark.parametrize("lk", [300, 1100])          # one task, and split-K
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nan_value_at_an_underflowed_key_reaches_the_row(fmt, lk):
+    """A visible key whose probability underflows to +0 still multiplies its value row, as in
+    the float32 path (0 * NaN = NaN): an int8 row held NaN (its scale NaN) must not vanish
+    with it. A key hidden by the padding (probability -0.0) is never read."""
+    rng = np.random.default_rng(7)
+    q = np.zeros((1, 4, 1, 64), np.float32)
+    q[..., 0] = 1
+    k, v, ks, vs, kf, vf = stored(rng, fmt, (1, 1, lk, 64))
+    if is_int8(fmt):
+        k[0, 0, :, 0], ks[0, 0, :] = 127, 1.0
+        k[0, 0, 100, 0], ks[0, 0, 100] = -127, 8.0    # score -1016 / 8: p underflows to +0
+        vs[0, 0, 100] = np.nan
+    else:
+        k[0, 0, :, 0] = np.float16(127)
+        k[0, 0, 100, 0] = np.float16(-1016)
+        v[0, 0, 100, 3] = np.float16(np.nan)
+    out = np.empty((1, 4, 1, 64), np.float32)
+    _attend(q, k, v, out, None, None, True, 1 / 8, None, 2, None,
+            **({"k_scale": ks, "v_scale": vs} if is_int8(fmt) else {}))
+    if is_int8(fmt):                     # the whole row's scale is NaN
+        assert np.isnan(out).all()
+    else:                                # one value is NaN
+        assert np.isnan(out[..., 3]).all() and np.isfinite(np.delete(out, 3, axis=-1)).all()
+    pad = np.zeros((1, lk), bool)
+    pad[0, 100] = True
+    _attend(q, k, v, out, None, pad, True, 1 / 8, None, 2, None,
+            **({"k_scale": ks, "v_scale": vs} if is_int8(fmt) else {}))
+    assert np.isfinite(out).all()
+
 # ---- cache operations --------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", FORMATS)
