@@ -31,7 +31,9 @@ Layout of the package (one job per file):
   ../src/                 plain C: attention_tile (masking, online softmax, vectorized exp),
                           attention_microkernel (fused score/softmax/PV tiles), row_panel_gemm
                           (the projections), small_gemm (decode projections),
-                          rope (the rotary embeddings' cos/sin and rotation)
+                          rope (the rotary embeddings' cos/sin and rotation), kv_format
+                          (attention over float16 / int8 caches in their stored format;
+                          kv_int8_dot_impl.h: int8 with AVX512-VNNI integer products)
 """
 from ._version import __version__
 from ._simd import check_simd_request as _check_simd_request
