@@ -34,11 +34,14 @@ static inline float mha_half_to_float(uint16_t h)
 
 #define DRB 4          /* query rows per block of the direct kernel, as attention_microkernel.c */
 #define MHA_KV_NK 64   /* keys per tile of the direct kernel (its scores: DRB x NK floats) */
-/* The integer products' limits (kv_int8_dot_impl.h): rows rounded at once (the direct rule's
- * MHA_FUSED_DIRECT_MAX_ROWS), and head dims (the fused kernels' MHA_FUSED_MAX_HEAD_DIM; q16 . k
- * stays within int32 up to 516). Tasks beyond them run the float products. */
-#define MHA_KV_DOT_MAX_ROWS 8
-#define MHA_KV_DOT_MAX_D 256
+/* The integer products' limits (kv_int8_dot_impl.h): rows rounded at once (the direct rule's),
+ * and head dims (the fused kernels'; q16 . k stays within int32 up to 516). Tasks beyond them
+ * run the float products. */
+#define MHA_KV_DOT_MAX_ROWS MHA_FUSED_DIRECT_MAX_ROWS
+#define MHA_KV_DOT_MAX_D MHA_FUSED_MAX_HEAD_DIM
+#if MHA_KV_DOT_MAX_D > 516
+#error "q16 . k must stay within int32: head dims up to 516"
+#endif
 #define MHA_IMPL "kv_format_impl.h"
 #define TYPE_SUFFIX f32
 #define REAL float     /* the type of the queries, scores and outputs (softmax_row_impl.h) */

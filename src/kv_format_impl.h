@@ -454,29 +454,28 @@ FN(kv_block_)(const int fmt, const int dot, const int M, const float *q, ptrdiff
     const char *kt = (const char *)k + j0 * k_rs * esz, *vt = (const char *)v + j0 * v_rs * esz;
     const void *pf = prefetch && nk_next > 0 ? vt + nk * v_rs * esz : NULL;
 #ifdef MHA_KV_INT8_DOT
-    if (dot) {
-        int16_t p16[DRB * (NK + 2)];
-        float sp[DRB];
+    if (dot)
         FN(kv_dot_scores_)(M, q16, dp, sq, d, (const int8_t *)kt, k_rs, ks + j0, nk, scale, s,
                            prefetch ? vt : NULL, v_rs, dv, nk_next, prefetch == 2);
-        FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit,
-                                 limit_step, window, m, l, acc);
-        for (int i = 0; i < M; i++)
-            FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
-        if (FN(kv_dot_quantize_p_)(M, s, nk, p16, sp))
-            FN(kv_dot_pv_)(M, p16, sp, nk, (const int8_t *)vt, v_rs, acc, dv, pf, nk_next);
-        else     /* NaN or inf in the tile's probabilities: the float products propagate it */
-            FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv, pf, nk_next);
-        return;
-    }
+    else
 #endif
-    (void)dot, (void)q16, (void)dp, (void)sq;
-    FN(kv_scores_)(fmt, M, q, q_rs, d, kt, k_rs, ks == NULL ? NULL : ks + j0, nk, scale, s,
-                   prefetch ? vt : NULL, v_rs, dv, nk_next, prefetch == 2);
+        FN(kv_scores_)(fmt, M, q, q_rs, d, kt, k_rs, ks == NULL ? NULL : ks + j0, nk, scale,
+                       s, prefetch ? vt : NULL, v_rs, dv, nk_next, prefetch == 2);
     FN(online_softmax_rows_)(M, s, NK, nk, dv, j0, add, add_rs, add_ks, pad, limit, limit_step,
                              window, m, l, acc);
     for (int i = 0; fmt == MHA_KV_I8 && i < M; i++)
         FN(kv_fold_scales_)(s + i * NK, vs + j0, nk);
+#ifdef MHA_KV_INT8_DOT
+    /* the integer P V, unless the tile's probabilities hold NaN or inf or are too small to
+     * round (kv_dot_quantize_p_): the float products below then propagate them */
+    int16_t p16[DRB * (NK + 2)];
+    float sp[DRB];
+    if (dot && FN(kv_dot_quantize_p_)(M, s, nk, p16, sp)) {
+        FN(kv_dot_pv_)(M, p16, sp, nk, (const int8_t *)vt, v_rs, acc, dv, pf, nk_next);
+        return;
+    }
+#endif
+    (void)dot, (void)q16, (void)dp, (void)sq;
     FN(kv_pv_)(fmt, M, s, nk, vt, v_rs, acc, dv, pf, nk_next);
 }
 
