@@ -195,14 +195,14 @@ static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t
 /* acc[i * dv + e0 + (0 .. NV * WP)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
  * i < M, in registers over every key (V finite: a hidden key's -0.0 adds nothing): M x NV
  * vectors of sums. The direct kernel takes NV = 8 / M (eight independent FMA chains, as many
- * as two FMA units of latency 4 need; with two vectors a row, a one-row task had two), the
- * packed one NV = 2. check: unless the sums come out finite (x * 0 is NaN just for an inf or
- * NaN x: a NaN or inf in V, maybe at a hidden key), redo the columns by pv_exact_ from acc,
- * still unchanged. The direct kernel checks so (2 M NV vector operations per nk keys;
- * checking its V tile first would cost as much as its P V of 1-4 rows); the packed kernel
- * checks each V tile once for all its row blocks instead (this check cost it 10-20%:
- * registers). pf != NULL (the direct kernel): also prefetch the panel's columns of the pf_n
- * rows at pf, the next tile's V, a row per key. */
+ * as two FMA units of latency 4 need; with two vectors a row, a one-row task had two), and at
+ * AVX-512 up to 16 sums (direct_pv_), the packed one NV = 2. check: unless the sums come out
+ * finite (x * 0 is NaN just for an inf or NaN x: a NaN or inf in V, maybe at a hidden key),
+ * redo the columns by pv_exact_ from acc, still unchanged. The direct kernel checks so (2 M
+ * NV vector operations per nk keys; checking its V tile first would cost as much as its P V
+ * of 1-4 rows); the packed kernel checks each V tile once for all its row blocks instead
+ * (this check cost it 10-20%: registers). pf != NULL (the direct kernel): also prefetch the
+ * panel's columns of the pf_n rows at pf, the next tile's V, a row per key. */
 static inline __attribute__((always_inline)) void
 FN(pv_panel_)(const int M, const int NV, const REAL *s, int n, const REAL *v, ptrdiff_t v_rs,
               REAL *acc, int dv, ptrdiff_t e0, const int check, const REAL *pf, int pf_n)
@@ -512,7 +512,10 @@ static inline __attribute__((always_inline)) void
 FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
                int dv, const REAL *pf, int pf_n)
 {
-    const int NV = M == 1 ? 8 : (M == 2 ? 4 : 2);     /* (M = 8: 16 sums, AVX-512 only) */
+    /* AVX-512's 32 registers hold 16 sums: a broadcast of p and a loop step serve twice the
+     * FMAs (kv_format_impl.h's kv_pv_ measured it; here 2-3% at M = 4, within the noise) */
+    const int NV = MHA_ISA_WIDE_BYTES == 64 ? (M <= 2 ? 8 : (M <= 4 ? 4 : 2))
+                                            : (M == 1 ? 8 : (M == 2 ? 4 : 2));
     ptrdiff_t e = 0;
     for (; e + NV * WP <= dv; e += NV * WP)
         FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1, pf, pf_n);
