@@ -7,6 +7,7 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
+#include "lane_sums16.h"
 #include "softmax_row_impl.h"
 
 #define W 8            /* lanes of a 256-bit vector of floats */
@@ -133,35 +134,12 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
 #if MHA_ISA_WIDE_BYTES == 64
 typedef int FN(kvmaskp_) __attribute__((vector_size(WP * sizeof(float))));
 
-/* per 128-bit chunk c: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of that chunk (vshufps); a and b
- * are vectors of 16 floats or 16 int32 (the integer products of kv_int8_dot_impl.h) */
-#define KV_HADD16(a, b)                                                                      \
-    (__builtin_shuffle(a, b, (FN(kvmaskp_)){0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12,   \
-                                            14, 28, 30})                                     \
-     + __builtin_shuffle(a, b, (FN(kvmaskp_)){1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, \
-                                              15, 29, 31}))
-
-/* [a.c0 + a.c1, a.c2 + a.c3, b.c0 + b.c1, b.c2 + b.c3] of the 128-bit chunks (vshuff32x4) */
-#define KV_HADD_CHUNKS(a, b)                                                                 \
-    (__builtin_shuffle(a, b, (FN(kvmaskp_)){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,    \
-                                            25, 26, 27})                                     \
-     + __builtin_shuffle(a, b, (FN(kvmaskp_)){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,    \
-                                              28, 29, 30, 31}))
-
-/* lane i = sum of the lanes of v[i], i < 16, v an array of 16 vectors of type T: within each
- * chunk first, then across them */
-#define KV_REDUCE16(T, v)                                                                    \
-    ({                                                                                       \
-        T f_[4];                                                                             \
-        for (int t_ = 0; t_ < 4; t_++)                                                       \
-            f_[t_] = KV_HADD16(KV_HADD16(v[4 * t_], v[4 * t_ + 1]),                          \
-                               KV_HADD16(v[4 * t_ + 2], v[4 * t_ + 3]));                     \
-        KV_HADD_CHUNKS(KV_HADD_CHUNKS(f_[0], f_[1]), KV_HADD_CHUNKS(f_[2], f_[3]));          \
-    })
+/* the first step of lane_sums16.h's tree on floats (vshufps) */
+#define KV_HADD16(a, b) MHA_HADD16(FN(kvmaskp_), a, b)
 
 static inline __attribute__((always_inline)) VECP FN(kv_reducep_)(const VECP *v)
 {
-    return KV_REDUCE16(VECP, v);
+    return MHA_REDUCE16_WITH(VECP, FN(kvmaskp_), KV_HADD16, v);
 }
 
 /* stored values i .. i + n - 1 of `base` (n < 16) as floats, the other lanes 0 */
@@ -569,8 +547,6 @@ void FN(mha_kv_attend_direct_i8_)(const float *q, ptrdiff_t q_rs, int rows, int 
 #undef VEC
 #undef VECP
 #undef KV_HADD16
-#undef KV_HADD_CHUNKS
-#undef KV_REDUCE16
 #undef kv_reducep_
 #undef WP
 #undef NK

@@ -33,7 +33,7 @@
 
 typedef int FN(kvint_) __attribute__((vector_size(64)));
 
-/* KV_HADD16 on int32 lanes, its two shuffles written as vshufps: gcc lowers the generic
+/* MHA_HADD16 on int32 lanes, its two shuffles written as vshufps: gcc lowers the generic
  * integer shuffle to vpermt2d, whose index vectors (two per pair) it spilled and reloaded */
 static inline __attribute__((always_inline)) FN(kvint_) FN(kv_hadd16i_)(FN(kvint_) a,
                                                                         FN(kvint_) b)
@@ -43,14 +43,10 @@ static inline __attribute__((always_inline)) FN(kvint_) FN(kv_hadd16i_)(FN(kvint
          + (FN(kvint_))_mm512_castps_si512(_mm512_shuffle_ps(x, y, 0xdd));
 }
 
-/* lane i = sum of the lanes of v[i], i < 16 (KV_REDUCE16's tree) */
+/* lane i = sum of the lanes of v[i], i < 16 (lane_sums16.h's tree) */
 static inline __attribute__((always_inline)) FN(kvint_) FN(kv_reducei_)(const FN(kvint_) *v)
 {
-    FN(kvint_) f[4];
-    for (int t = 0; t < 4; t++)
-        f[t] = FN(kv_hadd16i_)(FN(kv_hadd16i_)(v[4 * t], v[4 * t + 1]),
-                               FN(kv_hadd16i_)(v[4 * t + 2], v[4 * t + 3]));
-    return KV_HADD_CHUNKS(KV_HADD_CHUNKS(f[0], f[1]), KV_HADD_CHUNKS(f[2], f[3]));
+    return MHA_REDUCE16_WITH(FN(kvint_), FN(kvmaskp_), FN(kv_hadd16i_), v);
 }
 
 static inline __attribute__((always_inline)) __mmask16 FN(kv_dot_mask16_)(ptrdiff_t left)

@@ -1,0 +1,40 @@
+/* Sixteen dot products' partial sums reduced at once: for 16 vectors v[0..15] of 16 lanes,
+ * the vector whose lane i is the sum of v[i]'s lanes. Used by the decode kernels' score
+ * blocks (attention_microkernel_impl.h for float32, kv_format_impl.h for the stored formats)
+ * on 512-bit vectors, where a block of R query rows x 16 / R keys leaves 16 sums to reduce;
+ * one tree costs 15 pair steps of 2 shuffles and an add, about 3 vector operations a score
+ * instead of a horizontal sum each. Each lane's sum has a fixed order (within each 128-bit
+ * chunk first, then across the chunks), whatever the rows and keys.
+ *
+ * Generic over the element type: T the vector type (16 floats or 16 int32), MT a vector of 16
+ * int used for the shuffle masks. gcc lowers the float shuffles to vshufps / vshuff32x4; the
+ * integer ones of the first step to vpermt2d (kv_int8_dot_impl.h writes those as vshufps). */
+
+#ifndef MHA_LANE_SUMS16_H
+#define MHA_LANE_SUMS16_H
+
+/* per 128-bit chunk c: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of that chunk */
+#define MHA_HADD16(MT, a, b)                                                                 \
+    (__builtin_shuffle(a, b, (MT){0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}) \
+     + __builtin_shuffle(a, b, (MT){1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29,  \
+                                    31}))
+
+/* [a.c0 + a.c1, a.c2 + a.c3, b.c0 + b.c1, b.c2 + b.c3] of the 128-bit chunks */
+#define MHA_HADD_CHUNKS(MT, a, b)                                                            \
+    (__builtin_shuffle(a, b, (MT){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) \
+     + __builtin_shuffle(a, b, (MT){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,  \
+                                    31}))
+
+/* lane i = sum of the lanes of v[i], v an array of 16 vectors of type T; HADD(x, y) is the
+ * first step's pair (MHA_HADD16 or an equivalent) */
+#define MHA_REDUCE16_WITH(T, MT, HADD, v)                                                    \
+    ({                                                                                       \
+        T f_[4];                                                                             \
+        for (int t_ = 0; t_ < 4; t_++)                                                       \
+            f_[t_] = HADD(HADD(v[4 * t_], v[4 * t_ + 1]),                                    \
+                          HADD(v[4 * t_ + 2], v[4 * t_ + 3]));                               \
+        MHA_HADD_CHUNKS(MT, MHA_HADD_CHUNKS(MT, f_[0], f_[1]),                              \
+                        MHA_HADD_CHUNKS(MT, f_[2], f_[3]));                                  \
+    })
+
+#endif
