@@ -12,6 +12,7 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
+#include "lane_sums16.h"
 #include "softmax_row_impl.h"
 
 #define NK (4 * VL)    /* keys per tile: the packed tile is d x 256 bytes */
@@ -448,10 +449,10 @@ FN(store_block_)(const int R, const int KB, const VEC *t, REAL *s, int left)
                 s[i * NK + u] = tl[i * KB + u];
 }
 
-/* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. Also,
- * with pf_v != NULL, prefetch the K rows MHA_DECODE_PREFETCH_KEYS ahead (those that exist:
- * nk_next, the next tile's keys, else none), and with `first` (a task's first tile) the V rows
- * as well (pf_v is this tile's V): the memory is streamed once, and latency, not bandwidth,
+/* The prefetches of direct_scores_ for its block of KB keys from key c: with pf_v != NULL,
+ * the K rows MHA_DECODE_PREFETCH_KEYS ahead (those below n_avail: this tile's and the next
+ * tile's keys), and with `first` (a task's first tile) the V rows as well (pf_v is this
+ * tile's V): the memory is streamed once, and latency, not bandwidth,
  * limited one thread without it. The later tiles' V rows are prefetched by the P V panels of
  * the tile before (direct_pv_), so that each phase streams what it reads next and the memory
  * is busy during P V too: with both rows here, the scores' phase asked for 2 rows a key while
@@ -459,9 +460,74 @@ FN(store_block_)(const int R, const int KB, const VEC *t, REAL *s, int left)
  * 5 interleaved runs: MQA (1, 8, 1, 128) over 32k keys 1.54 -> 1.30 ms; decode_cache_f32 2.82
  * -> 2.58, float16 1.74 -> 1.53, int8 1.42 -> 1.40 (int8 is bound by its FMAs here). */
 static inline __attribute__((always_inline)) void
-FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
-                   ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
-                   ptrdiff_t v_rs, int dv, int nk_next, const int first)
+FN(direct_prefetch_)(const int KB, const REAL *k, ptrdiff_t k_rs, int d, const REAL *pf_v,
+                     ptrdiff_t v_rs, int dv, ptrdiff_t c, ptrdiff_t n_avail, const int first)
+{
+    for (int u = 0; pf_v != NULL && u < KB && MHA_DECODE_PREFETCH_KEYS + c + u < n_avail; u++) {
+        if (first)
+            FN(prefetch_row_)(pf_v + (MHA_DECODE_PREFETCH_KEYS + c + u) * v_rs, dv);
+        FN(prefetch_row_)(k + (MHA_DECODE_PREFETCH_KEYS + c + u) * k_rs, d);
+    }
+}
+
+/* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
+#if MHA_ISA_WIDE_BYTES == 64 && W == 8
+/* Float at AVX-512: the scores on 512-bit vectors, blocks of R rows x KB = 16 / R keys whose
+ * 16 vectors of partial sums one tree of lane_sums16.h reduces (as kv_format_impl.h's
+ * kv_scores_). At 4 rows x 4 keys, 8 loads feed 16 FMAs of 16 lanes, where the 256-bit block
+ * of 4 rows x 2 keys took 6 loads (q an FMA operand) per 8 FMAs of 8 lanes. The head dim's
+ * tail is a masked load (zeros add nothing). */
+typedef int FN(maskp_) __attribute__((vector_size(WP * sizeof(REAL))));
+#define DIRECT_HADD16(a, b) MHA_HADD16(FN(maskp_), a, b)
+
+static inline __attribute__((always_inline)) void
+FN(direct_scores_wide_)(const int R, const REAL *q, ptrdiff_t q_rs, int d,
+                        const REAL *k, ptrdiff_t k_rs, int nk, REAL scale, REAL *s,
+                        const REAL *pf_v, ptrdiff_t v_rs, int dv, int nk_next, const int first)
+{
+    const int KB = WP / R;
+    const ptrdiff_t dvec = (ptrdiff_t)d / WP * WP;
+    const __mmask16 tail = (__mmask16)((1u << (d - dvec)) - 1);
+    for (ptrdiff_t c = 0; c < nk; c += KB) {
+        const REAL *kr[WP];
+        for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
+            kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
+        FN(direct_prefetch_)(KB, k, k_rs, d, pf_v, v_rs, dv, c, nk + nk_next, first);
+        VECP a[WP];
+        for (int i = 0; i < WP; i++)
+            a[i] = (VECP){0};
+        for (ptrdiff_t p = 0; p < dvec; p += WP) {
+            VECP kv[WP];
+            for (int u = 0; u < KB; u++)
+                kv[u] = *(const VECP *)(kr[u] + p);
+            for (int i = 0; i < R; i++) {
+                VECP qv = *(const VECP *)(q + i * q_rs + p);
+                for (int u = 0; u < KB; u++)
+                    a[i * KB + u] += qv * kv[u];
+            }
+        }
+        if (dvec < d) {
+            VECP kv[WP];
+            for (int u = 0; u < KB; u++)
+                kv[u] = (VECP)_mm512_maskz_loadu_ps(tail, kr[u] + dvec);
+            for (int i = 0; i < R; i++) {
+                VECP qv = (VECP)_mm512_maskz_loadu_ps(tail, q + i * q_rs + dvec);
+                for (int u = 0; u < KB; u++)
+                    a[i * KB + u] += qv * kv[u];
+            }
+        }
+        VECP t = MHA_REDUCE16_WITH(VECP, FN(maskp_), DIRECT_HADD16, a) * scale;
+        FN(store_block_)(R, KB, (const VEC *)&t, s + c, (int)(nk - c < KB ? nk - c : KB));
+    }
+}
+#undef DIRECT_HADD16
+#endif
+
+/* 256-bit blocks of R rows x W / R keys (8 rows: 2 keys, DSUMS sums). */
+static inline __attribute__((always_inline)) void
+FN(direct_scores_narrow_)(const int R, const REAL *q, ptrdiff_t q_rs, int d,
+                          const REAL *k, ptrdiff_t k_rs, int nk, REAL scale, REAL *s,
+                          const REAL *pf_v, ptrdiff_t v_rs, int dv, int nk_next, const int first)
 {
     const int KB = R > 4 ? DSUMS / R : W / R;     /* R * KB <= DSUMS sums */
     const ptrdiff_t dvec = (ptrdiff_t)d / W * W;
@@ -469,12 +535,7 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
         const REAL *kr[W];
         for (int u = 0; u < KB; u++)    /* keys past the tile: recompute key c, unused */
             kr[u] = k + (c + u < nk ? c + u : c) * k_rs;
-        if (pf_v != NULL)
-            for (int u = 0; u < KB && MHA_DECODE_PREFETCH_KEYS + c + u < nk + nk_next; u++) {
-                if (first)
-                    FN(prefetch_row_)(pf_v + (MHA_DECODE_PREFETCH_KEYS + c + u) * v_rs, dv);
-                FN(prefetch_row_)(k + (MHA_DECODE_PREFETCH_KEYS + c + u) * k_rs, d);
-            }
+        FN(direct_prefetch_)(KB, k, k_rs, d, pf_v, v_rs, dv, c, nk + nk_next, first);
         VEC a[DSUMS];
         for (int i = 0; i < DSUMS; i++)
             a[i] = (VEC){0};
@@ -504,6 +565,27 @@ FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL
             t[h] *= scale;
         FN(store_block_)(R, KB, t, s + c, (int)(nk - c < KB ? nk - c : KB));
     }
+}
+
+static inline __attribute__((always_inline)) void
+FN(direct_scores_)(const int R, const REAL *q, ptrdiff_t q_rs, int d, const REAL *k,
+                   ptrdiff_t k_rs, int nk, REAL scale, REAL *s, const REAL *pf_v,
+                   ptrdiff_t v_rs, int dv, int nk_next, const int first)
+{
+#if MHA_ISA_WIDE_BYTES == 64 && W == 8
+    /* Blocks of 4 rows only (a GQA group of 4, the most common): Zen 4, 1 thread, rows x 1
+     * query over 2048 keys (L3), D 128, min of 3 interleaved runs, ns a key, 256 -> 512-bit:
+     * 4 rows 39.7 -> 31.4; 8 rows 58.6 -> 58.7, 3 rows 37.2 -> 38.8, 2 rows 28.8 -> 28.8, 1
+     * row 23.3 -> 23.7 (Zen 4 splits a 512-bit shuffle of the tree in two: for the others a
+     * 16-lane tree per block cost what the loads saved) */
+    if (R == 4) {
+        FN(direct_scores_wide_)(R, q, q_rs, d, k, k_rs, nk, scale, s, pf_v, v_rs, dv, nk_next,
+                                first);
+        return;
+    }
+#endif
+    FN(direct_scores_narrow_)(R, q, q_rs, d, k, k_rs, nk, scale, s, pf_v, v_rs, dv, nk_next,
+                              first);
 }
 
 /* acc += P V for the M rows of the direct kernel, NV column vectors a row at a time; with pf
