@@ -12,7 +12,7 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
-#include "lane_sums16.h"
+#include "score_blocks.h"
 #include "softmax_row_impl.h"
 
 #define NK (4 * VL)    /* keys per tile: the packed tile is d x 256 bytes */
@@ -473,7 +473,7 @@ FN(direct_prefetch_)(const int KB, const REAL *k, ptrdiff_t k_rs, int d, const R
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
 #if MHA_ISA_WIDE_BYTES == 64 && W == 8
 /* Float at AVX-512: the scores on 512-bit vectors, blocks of R rows x KB = 16 / R keys whose
- * 16 vectors of partial sums one tree of lane_sums16.h reduces (as kv_format_impl.h's
+ * 16 vectors of partial sums one tree of score_blocks.h reduces (as kv_format_impl.h's
  * kv_scores_). At 4 rows x 4 keys, 8 loads feed 16 FMAs of 16 lanes, where the 256-bit block
  * of 4 rows x 2 keys took 6 loads (q an FMA operand) per 8 FMAs of 8 lanes. The head dim's
  * tail is a masked load (zeros add nothing). */
@@ -500,21 +500,17 @@ FN(direct_scores_wide_)(const int R, const REAL *q, ptrdiff_t q_rs, int d,
             VECP kv[WP];
             for (int u = 0; u < KB; u++)
                 kv[u] = *(const VECP *)(kr[u] + p);
-            for (int i = 0; i < R; i++) {
-                VECP qv = *(const VECP *)(q + i * q_rs + p);
-                for (int u = 0; u < KB; u++)
-                    a[i * KB + u] += qv * kv[u];
-            }
+#define QV(i) (*(const VECP *)(q + (i) * q_rs + p))
+            MHA_BLOCK_STEP(VECP, R, KB, QV, kv, a);
+#undef QV
         }
         if (dvec < d) {
             VECP kv[WP];
             for (int u = 0; u < KB; u++)
                 kv[u] = (VECP)_mm512_maskz_loadu_ps(tail, kr[u] + dvec);
-            for (int i = 0; i < R; i++) {
-                VECP qv = (VECP)_mm512_maskz_loadu_ps(tail, q + i * q_rs + dvec);
-                for (int u = 0; u < KB; u++)
-                    a[i * KB + u] += qv * kv[u];
-            }
+#define QV(i) ((VECP)_mm512_maskz_loadu_ps(tail, q + (i) * q_rs + dvec))
+            MHA_BLOCK_STEP(VECP, R, KB, QV, kv, a);
+#undef QV
         }
         VECP t = MHA_REDUCE16_WITH(VECP, FN(maskp_), DIRECT_HADD16, a) * scale;
         FN(store_block_)(R, KB, (const VEC *)&t, s + c, (int)(nk - c < KB ? nk - c : KB));
@@ -543,11 +539,9 @@ FN(direct_scores_narrow_)(const int R, const REAL *q, ptrdiff_t q_rs, int d,
             VEC kv[W];
             for (int u = 0; u < KB; u++)
                 kv[u] = *(const VEC *)(kr[u] + p);
-            for (int i = 0; i < R; i++) {
-                VEC qv = *(const VEC *)(q + i * q_rs + p);
-                for (int u = 0; u < KB; u++)
-                    a[i * KB + u] += qv * kv[u];
-            }
+#define QV(i) (*(const VEC *)(q + (i) * q_rs + p))
+            MHA_BLOCK_STEP(VEC, R, KB, QV, kv, a);
+#undef QV
         }
         VEC t[DSUMS / W];
         for (int h = 0; h * W < R * KB; h++)    /* one tree per W sums: each sum's own order */

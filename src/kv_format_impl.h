@@ -7,7 +7,7 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
-#include "lane_sums16.h"
+#include "score_blocks.h"
 #include "softmax_row_impl.h"
 
 #define W 8            /* lanes of a 256-bit vector of floats */
@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
 #if MHA_ISA_WIDE_BYTES == 64
 typedef int FN(kvmaskp_) __attribute__((vector_size(WP * sizeof(float))));
 
-/* the first step of lane_sums16.h's tree on floats (vshufps) */
+/* the first step of score_blocks.h's tree on floats (vshufps) */
 #define KV_HADD16(a, b) MHA_HADD16(FN(kvmaskp_), a, b)
 
 static inline __attribute__((always_inline)) VECP FN(kv_reducep_)(const VECP *v)
@@ -258,11 +258,9 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
             VECP kv[WP];
             for (int u = 0; u < KB; u++)
                 kv[u] = FN(kv_loadp_)(fmt, k, kr[u] + p);
-            for (int i = 0; i < R; i++) {
-                VECP qv = *(const VECP *)(q + i * q_rs + p);
-                for (int u = 0; u < KB; u++)
-                    a[i * KB + u] += qv * kv[u];
-            }
+#define QV(i) (*(const VECP *)(q + (i) * q_rs + p))
+            MHA_BLOCK_STEP(VECP, R, KB, QV, kv, a);
+#undef QV
         }
 #if MHA_ISA_WIDE_BYTES == 64
         if (dvec < d) {
@@ -270,12 +268,9 @@ FN(kv_scores_)(const int fmt, const int R, const float *q, ptrdiff_t q_rs, int d
             VECP kv[WP];
             for (int u = 0; u < KB; u++)
                 kv[u] = FN(kv_loadp_tail_)(fmt, k, kr[u] + dvec, n);
-            for (int i = 0; i < R; i++) {
-                VECP qv = (VECP)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1),
-                                                      q + i * q_rs + dvec);
-                for (int u = 0; u < KB; u++)
-                    a[i * KB + u] += qv * kv[u];
-            }
+#define QV(i) ((VECP)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), q + (i) * q_rs + dvec))
+            MHA_BLOCK_STEP(VECP, R, KB, QV, kv, a);
+#undef QV
         }
 #endif
         VECP t = FN(kv_reducep_)(a);

@@ -1,17 +1,30 @@
-/* Sixteen dot products' partial sums reduced at once: for 16 vectors v[0..15] of 16 lanes,
- * the vector whose lane i is the sum of v[i]'s lanes. Used by the decode kernels' score
- * blocks (attention_microkernel_impl.h for float32, kv_format_impl.h for the stored formats)
- * on 512-bit vectors, where a block of R query rows x 16 / R keys leaves 16 sums to reduce;
- * one tree costs 15 pair steps of 2 shuffles and an add, about 3 vector operations a score
- * instead of a horizontal sum each. Each lane's sum has a fixed order (within each 128-bit
- * chunk first, then across the chunks), whatever the rows and keys.
+/* The decode kernels' score blocks (attention_microkernel_impl.h for float32,
+ * kv_format_impl.h for the stored formats): R query rows x KB keys of dot products, each a
+ * vector of partial sums over the head dim, accumulated by MHA_BLOCK_STEP, then reduced all
+ * at once. The reduction is written for 512-bit vectors, where a block of R rows x 16 / R
+ * keys leaves 16 vectors v[0..15] of 16 lanes: MHA_REDUCE16_WITH gives the vector whose lane
+ * i is the sum of v[i]'s lanes; one tree costs 15 pair steps of 2 shuffles and an add,
+ * about 3 vector operations a score instead of a horizontal sum each. Each lane's sum has a
+ * fixed order (within each 128-bit chunk first, then across the chunks), whatever the rows
+ * and keys.
  *
  * Generic over the element type: T the vector type (16 floats or 16 int32), MT a vector of 16
  * int used for the shuffle masks. gcc lowers the float shuffles to vshufps / vshuff32x4; the
  * integer ones of the first step to vpermt2d (kv_int8_dot_impl.h writes those as vshufps). */
 
-#ifndef MHA_LANE_SUMS16_H
-#define MHA_LANE_SUMS16_H
+#ifndef MHA_SCORE_BLOCKS_H
+#define MHA_SCORE_BLOCKS_H
+
+/* a[i * KB + u] += QV(i) * kv[u] for i < R, u < KB: one step over the head dim of a block,
+ * QV(i) row i's vector of q (of type T), kv[u] key u's */
+#define MHA_BLOCK_STEP(T, R, KB, QV, kv, a)                                                  \
+    do {                                                                                     \
+        for (int i_ = 0; i_ < (R); i_++) {                                                   \
+            T qv_ = QV(i_);                                                                  \
+            for (int u_ = 0; u_ < (KB); u_++)                                                \
+                (a)[i_ * (KB) + u_] += qv_ * (kv)[u_];                                       \
+        }                                                                                    \
+    } while (0)
 
 /* per 128-bit chunk c: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of that chunk */
 #define MHA_HADD16(MT, a, b)                                                                 \
