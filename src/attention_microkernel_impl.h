@@ -12,7 +12,7 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
-#include "score_blocks.h"
+#include "decode_blocks.h"
 #include "softmax_row_impl.h"
 
 #define NK (4 * VL)    /* keys per tile: the packed tile is d x 256 bytes */
@@ -195,9 +195,8 @@ static void FN(pv_exact_)(int M, const REAL *s, int nk, const REAL *v, ptrdiff_t
 
 /* acc[i * dv + e0 + (0 .. NV * WP)) += sum_{t < n} s[i * NK + t] v[t * v_rs + e0 + ...] for
  * i < M, in registers over every key (V finite: a hidden key's -0.0 adds nothing): M x NV
- * vectors of sums. The direct kernel takes NV = 8 / M (eight independent FMA chains, as many
- * as two FMA units of latency 4 need; with two vectors a row, a one-row task had two), and at
- * AVX-512 up to 16 sums (direct_pv_), the packed one NV = 2. check: unless the sums come out
+ * vectors of sums. The direct kernel takes NV = MHA_PV_PANEL_VECTORS(M) (decode_blocks.h),
+ * the packed one NV = 2. check: unless the sums come out
  * finite (x * 0 is NaN just for an inf or NaN x: a NaN or inf in V, maybe at a hidden key),
  * redo the columns by pv_exact_ from acc, still unchanged. The direct kernel checks so (2 M
  * NV vector operations per nk keys; checking its V tile first would cost as much as its P V
@@ -473,7 +472,7 @@ FN(direct_prefetch_)(const int KB, const REAL *k, ptrdiff_t k_rs, int d, const R
 /* s[i * NK + c] = scale * q_i . k_c for i < R, c < nk, from the K rows k + c * k_rs. */
 #if MHA_ISA_WIDE_BYTES == 64 && W == 8
 /* Float at AVX-512: the scores on 512-bit vectors, blocks of R rows x KB = 16 / R keys whose
- * 16 vectors of partial sums one tree of score_blocks.h reduces (as kv_format_impl.h's
+ * 16 vectors of partial sums one tree of decode_blocks.h reduces (as kv_format_impl.h's
  * kv_scores_). At 4 rows x 4 keys, 8 loads feed 16 FMAs of 16 lanes, where the 256-bit block
  * of 4 rows x 2 keys took 6 loads (q an FMA operand) per 8 FMAs of 8 lanes. The head dim's
  * tail is a masked load (zeros add nothing). */
@@ -588,10 +587,7 @@ static inline __attribute__((always_inline)) void
 FN(direct_pv_)(const int M, const REAL *s, int nk, const REAL *v, ptrdiff_t v_rs, REAL *acc,
                int dv, const REAL *pf, int pf_n)
 {
-    /* AVX-512's 32 registers hold 16 sums: a broadcast of p and a loop step serve twice the
-     * FMAs (kv_format_impl.h's kv_pv_ measured it; here 2-3% at M = 4, within the noise) */
-    const int NV = MHA_ISA_WIDE_BYTES == 64 ? (M <= 2 ? 8 : (M <= 4 ? 4 : 2))
-                                            : (M == 1 ? 8 : (M == 2 ? 4 : 2));
+    const int NV = MHA_PV_PANEL_VECTORS(M);
     ptrdiff_t e = 0;
     for (; e + NV * WP <= dv; e += NV * WP)
         FN(pv_panel_)(M, NV, s, nk, v, v_rs, acc, dv, e, 1, pf, pf_n);

@@ -7,7 +7,7 @@
 #define MHA_CAT(a, b) MHA_CAT_(a, b)
 #define FN(name) MHA_CAT(name, SUFFIX)
 
-#include "score_blocks.h"
+#include "decode_blocks.h"
 #include "softmax_row_impl.h"
 
 #define W 8            /* lanes of a 256-bit vector of floats */
@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) VEC FN(kv_reduce_)(const VEC *v)
 #if MHA_ISA_WIDE_BYTES == 64
 typedef int FN(kvmaskp_) __attribute__((vector_size(WP * sizeof(float))));
 
-/* the first step of score_blocks.h's tree on floats (vshufps) */
+/* the first step of decode_blocks.h's tree on floats (vshufps) */
 #define KV_HADD16(a, b) MHA_HADD16(FN(kvmaskp_), a, b)
 
 static inline __attribute__((always_inline)) VECP FN(kv_reducep_)(const VECP *v)
@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) int FN(kv_finite_)(const int M, con
 }
 
 /* acc[i * dv + e0 + (0 .. NV * W)) += sum_j s[i * NK + j] v[j * v_rs + e0 + ...] for i < M:
- * the M x NV sums in registers (NV * M <= 16, kv_pv_ says why), each V row converted once;
+ * the M x NV sums in registers (MHA_PV_PANEL_VECTORS), each V row converted once;
  * sums that come out non-finite are redone by kv_pv_exact_ (acc still holds the old ones).
  * With pf != NULL, the panel's bytes of the pf_n rows at pf (the next tile's V) are
  * prefetched, a row per key. The float32 kernel's pv_panel_ (attention_microkernel_impl.h) is
@@ -342,7 +342,7 @@ FN(kv_pv_panel_)(const int fmt, const int M, const int NV, const float *s, int n
             __builtin_prefetch(x, 0, 2);
             __builtin_prefetch(x + NV * WP * esz - 1, 0, 2);
         }
-        VECP b[16];
+        VECP b[8];
         for (int c = 0; c < NV; c++)
             b[c] = FN(kv_loadp_)(fmt, v, j * v_rs + e0 + c * WP);
         for (int i = 0; i < M; i++) {
@@ -365,12 +365,7 @@ static inline __attribute__((always_inline)) void
 FN(kv_pv_)(const int fmt, const int M, const float *s, int nk, const void *v, ptrdiff_t v_rs,
            float *acc, int dv, const void *pf, int pf_n)
 {
-    /* at least eight independent FMA chains (two FMA units of latency 4; with two vectors a
-     * row, a one-row task had two); at AVX-512, whose 32 registers hold 16 sums, 16: a
-     * broadcast of p, a loop step and the converted V vectors serve twice the FMAs. Zen 4, 1
-     * thread, a 4-row group, D 128, 4096 keys, min of 6 interleaved runs, NV 2 -> 4: float16
-     * 31.8 -> 28.4 ns a key; from DRAM (decode_cache_f16, 2 threads) within the noise. */
-    const int NV = WP == 16 ? (M <= 2 ? 8 : 4) : (M == 1 ? 8 : (M == 2 ? 4 : 2));
+    const int NV = MHA_PV_PANEL_VECTORS(M);
     ptrdiff_t e = 0;
     for (; e + NV * WP <= dv; e += NV * WP)
         FN(kv_pv_panel_)(fmt, M, NV, s, nk, v, v_rs, acc, dv, e, pf, pf_n);

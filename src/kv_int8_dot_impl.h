@@ -43,7 +43,7 @@ static inline __attribute__((always_inline)) FN(kvint_) FN(kv_hadd16i_)(FN(kvint
          + (FN(kvint_))_mm512_castps_si512(_mm512_shuffle_ps(x, y, 0xdd));
 }
 
-/* lane i = sum of the lanes of v[i], i < 16 (score_blocks.h's tree) */
+/* lane i = sum of the lanes of v[i], i < 16 (decode_blocks.h's tree) */
 static inline __attribute__((always_inline)) FN(kvint_) FN(kv_reducei_)(const FN(kvint_) *v)
 {
     return MHA_REDUCE16_WITH(FN(kvint_), FN(kvmaskp_), FN(kv_hadd16i_), v);

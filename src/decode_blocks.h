@@ -1,5 +1,6 @@
-/* The decode kernels' score blocks (attention_microkernel_impl.h for float32,
- * kv_format_impl.h for the stored formats): R query rows x KB keys of dot products, each a
+/* The direct (decode) kernels' register blocks, shared by attention_microkernel_impl.h
+ * (float32) and kv_format_impl.h (the stored formats): the P V panels' width, and the score
+ * blocks, R query rows x KB keys of dot products, each a
  * vector of partial sums over the head dim, accumulated by MHA_BLOCK_STEP, then reduced all
  * at once. The reduction is written for 512-bit vectors, where a block of R rows x 16 / R
  * keys leaves 16 vectors v[0..15] of 16 lanes: MHA_REDUCE16_WITH gives the vector whose lane
@@ -12,8 +13,19 @@
  * int used for the shuffle masks. gcc lowers the float shuffles to vshufps / vshuff32x4; the
  * integer ones of the first step to vpermt2d (kv_int8_dot_impl.h writes those as vshufps). */
 
-#ifndef MHA_SCORE_BLOCKS_H
-#define MHA_SCORE_BLOCKS_H
+#ifndef MHA_DECODE_BLOCKS_H
+#define MHA_DECODE_BLOCKS_H
+
+/* Vectors of sums a row in a P V panel of M rows (pv_panel_, kv_pv_panel_), at the SIMD level
+ * being compiled: at least eight independent FMA chains (two FMA units of latency 4; with two
+ * vectors a row, a one-row task had two); at AVX-512, whose 32 registers hold 16 sums, 16: a
+ * broadcast of p, a loop step and the converted V vectors serve twice the FMAs. Zen 4, 1
+ * thread, a 4-row group, D 128, 4096 keys, min of interleaved runs, 8 -> 16 sums: float16
+ * 31.8 -> 28.4 ns a key in one run, 28.8 -> 28.4 in another; float32 2-3%; from DRAM
+ * (decode_cache_*, 2 threads) within the noise. */
+#define MHA_PV_PANEL_VECTORS(M)                                                              \
+    (MHA_ISA_WIDE_BYTES == 64 ? ((M) <= 2 ? 8 : ((M) <= 4 ? 4 : 2))                          \
+                              : ((M) == 1 ? 8 : ((M) == 2 ? 4 : 2)))
 
 /* a[i * KB + u] += QV(i) * kv[u] for i < R, u < KB: one step over the head dim of a block,
  * QV(i) row i's vector of q (of type T), kv[u] key u's */
