@@ -327,3 +327,21 @@ def _set_panel_isa(level):
     """Run row_panel_gemm's micro-kernel for ISA level 2 (AVX-512), 1 (AVX2) or 0 (baseline),
     capped at what the CPU has (-1: the best); return the previous level. Tests only."""
     return mha_row_panel_set_isa(level)
+
+
+def _pack_row_panels(const floating[:, :] x):
+    """x (rows of contiguous values, any row stride) packed into src/row_panel_gemm.c's panels
+    by the pack of the current ISA level (_set_panel_isa), as a flat array. Tests only."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1]
+    cdef Py_ssize_t ldx = x.strides[0] // sizeof(floating)
+    import numpy as np
+    if k > 1 and x.strides[1] != sizeof(floating):
+        raise ValueError("x: each row's values must be contiguous")
+    if floating is float:
+        packed = np.full(mha_row_panels_size_f32(m, k), np.nan, np.float32)
+    else:
+        packed = np.full(mha_row_panels_size_f64(m, k), np.nan, np.float64)
+    cdef floating[::1] out = packed
+    if m > 0 and k > 0:
+        pack_panel(0, m, &x[0, 0], ldx, m, k, &out[0])
+    return packed

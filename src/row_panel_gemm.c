@@ -56,8 +56,8 @@ MHA_VECTOR_TYPES(double, 64, mha_f64_v64);
 
 /* ---- packing and dispatch, per type ---- */
 #define DEFINE_PACK_AND_DISPATCH(REAL, SUFFIX, PR)                                            \
-    void mha_pack_row_panels_##SUFFIX(const REAL *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, \
-                                      REAL *packed)                                         \
+    static void pack_row_panels_scalar_##SUFFIX(const REAL *x, ptrdiff_t ldx, ptrdiff_t m,   \
+                                                ptrdiff_t k, REAL *packed)                  \
     {                                                                                        \
         for (ptrdiff_t i0 = 0; i0 < m; i0 += PR) {                                           \
             REAL *panel = packed + i0 * k;                                                   \
@@ -111,3 +111,51 @@ int mha_row_panel_set_isa(int level) { (void)level; return 0; }
 
 DEFINE_PACK_AND_DISPATCH(float, f32, MHA_PANEL_ROWS_F32)
 DEFINE_PACK_AND_DISPATCH(double, f64, MHA_PANEL_ROWS_F64)
+
+#ifdef MHA_PANEL_DISPATCH
+#if MHA_PANEL_ROWS_F32 != 16
+#error "pack_row_panels_f32_avx512 transposes blocks of 16 rows"
+#endif
+/* The float32 panels at AVX-512: blocks of 16 rows x 16 values of x, transposed in registers
+ * (16 loads, 64 shuffles, 16 stores) instead of a scalar load and store each. Only data
+ * moves: the bytes are the scalar loop's. The scalar pack took 3.5% of a BERT-base encoder
+ * call (B 1, L 128, d 768, 2 threads, Zen 4 profile). Zen 4, 128 x 768 from L2, min of 2000:
+ * 43 -> 20 us. */
+static TARGET_AVX512 void pack_row_panels_f32_avx512(const float *x, ptrdiff_t ldx,
+                                                     ptrdiff_t m, ptrdiff_t k, float *packed)
+{
+    for (ptrdiff_t i0 = 0; i0 < m; i0 += 16) {
+        float *panel = packed + i0 * k;
+        ptrdiff_t rows = m - i0 < 16 ? m - i0 : 16;
+        for (ptrdiff_t p = 0; p < k; p += 16) {
+            int n = k - p < 16 ? (int)(k - p) : 16;
+            __mmask16 mask = (__mmask16)((1u << n) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)     /* rows past x: the zeros of the last panel */
+                r[i] = i < rows ? _mm512_maskz_loadu_ps(mask, x + (i0 + i) * ldx + p)
+                                : _mm512_setzero_ps();
+            mha_transpose16_f32_avx512(r);
+            for (int j = 0; j < n; j++)      /* r[j]: value p + j of the 16 rows */
+                _mm512_storeu_ps(panel + (p + j) * 16, r[j]);
+        }
+    }
+}
+#endif
+
+void mha_pack_row_panels_f32(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k,
+                             float *packed)
+{
+#ifdef MHA_PANEL_DISPATCH
+    if (mha_panel_isa() == 2) {
+        pack_row_panels_f32_avx512(x, ldx, m, k, packed);
+        return;
+    }
+#endif
+    pack_row_panels_scalar_f32(x, ldx, m, k, packed);
+}
+
+void mha_pack_row_panels_f64(const double *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k,
+                             double *packed)
+{
+    pack_row_panels_scalar_f64(x, ldx, m, k, packed);
+}

@@ -102,6 +102,27 @@ def tiling(request):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 15, 16, 17, 40])
+@pytest.mark.parametrize("k", [1, 7, 16, 17, 45])
+@pytest.mark.parametrize("isa", [2, 1, 0])
+def test_pack_row_panels(rng, dtype, m, k, isa):
+    """The panels (k-major, the last zero-padded) are x's values, bit for bit, at every ISA
+    level's pack (AVX-512: 16 x 16 blocks transposed in registers), from a row stride > k."""
+    wide = rng.standard_normal((m, k + 3)).astype(dtype)
+    x = wide[:, :k]
+    rows = 16 if np.dtype(dtype) == np.float32 else 8     # MHA_PANEL_ROWS_F32 / _F64
+    previous = _linear_kernel._set_panel_isa(isa)
+    try:
+        packed = _linear_kernel._pack_row_panels(x)
+    finally:
+        _linear_kernel._set_panel_isa(previous)
+    panels = -(-m // rows)
+    padded = np.zeros((panels * rows, k), dtype)
+    padded[:m] = x
+    np.testing.assert_array_equal(packed, padded.reshape(panels, rows, k).transpose(0, 2, 1).ravel())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 @pytest.mark.parametrize("with_bias", [False, True])
