@@ -649,9 +649,9 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
         ptrdiff_t after = k_end - j0 - nk;
         int nk_next = (int)(after < NK ? after : NK);
         for (ptrdiff_t r = 0, block; r < rows; r += block) {
-            ptrdiff_t left = rows - r;
-            /* DRB rows, else 4 (when DRB is 8), else what is left */
-            block = left >= DRB ? DRB : (left >= 4 ? 4 : left);
+            /* DRB rows, else what is left: one pass over the tile's K and V rows for a task of
+             * up to DRB rows (a GQA group of 6 query heads took a block of 4 and one of 2) */
+            block = rows - r >= DRB ? DRB : rows - r;
             if (limit + (r + block - 1) * limit_step <= j0)
                 continue;
             if (window > 0 && limit + r * limit_step - window >= j0 + nk)
@@ -662,6 +662,9 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
             case 3: DBLOCK(3); break;
 #if DRB > 4
             case 4: DBLOCK(4); break;
+            case 5: DBLOCK(5); break;
+            case 6: DBLOCK(6); break;
+            case 7: DBLOCK(7); break;
 #endif
             default: DBLOCK(DRB); break;
             }
