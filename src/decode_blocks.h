@@ -13,6 +13,17 @@
  * int used for the shuffle masks. gcc lowers the float shuffles to vshufps / vshuff32x4; the
  * integer ones of the first step to vpermt2d (kv_int8_dot_impl.h writes those as vshufps). */
 
+/* MHA_IN_REGISTER(x) keeps a vector x in a register from there on (an empty asm that gcc
+ * cannot see through), where x fits one: at the AVX levels. Outside the include guard, so that
+ * each SIMD level's inclusion of a kernel body (simd_isas.h, whose target pragma sets
+ * __AVX__ or not) redefines it for that level. */
+#undef MHA_IN_REGISTER
+#if defined(__AVX__)
+#define MHA_IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define MHA_IN_REGISTER(x) ((void)0)
+#endif
+
 #ifndef MHA_DECODE_BLOCKS_H
 #define MHA_DECODE_BLOCKS_H
 
@@ -29,7 +40,7 @@
 
 /* a[i * KB + u] += QV(i) * kv[u] for i < R, u < KB: one step over the head dim of a block,
  * QV(i) row i's vector of q (of type T), kv[u] key u's. Row i's vector is loaded once
- * (MHA_IN_REGISTER, simd_isas.h): gcc folded the load into each of the row's KB FMAs (Zen 4,
+ * (MHA_IN_REGISTER, above): gcc folded the load into each of the row's KB FMAs (Zen 4,
  * 8 rows x 2 keys: 18 loads per 16 FMAs instead of 10). */
 #define MHA_BLOCK_STEP(T, R, KB, QV, kv, a)                                                  \
     do {                                                                                     \

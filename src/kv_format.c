@@ -55,11 +55,9 @@ static inline float mha_half_to_float(uint16_t h)
 #pragma GCC target("arch=x86-64-v4,avx512vnni")
 #define SUFFIX MHA_ISA_CAT(TYPE_SUFFIX, _vnni)
 #define MHA_ISA_WIDE_BYTES 64
-#define MHA_IN_REGISTER(x) __asm__("" : "+v"(x))
 #define MHA_KV_INT8_DOT 1
 #include MHA_IMPL
 #undef MHA_KV_INT8_DOT
-#undef MHA_IN_REGISTER
 #undef MHA_ISA_WIDE_BYTES
 #undef SUFFIX
 #pragma GCC pop_options

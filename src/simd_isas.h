@@ -5,17 +5,13 @@
  * without dispatch the body is compiled once with SUFFIX = TYPE_SUFFIX. MHA_ISA_WIDE_BYTES is the
  * width of the widest vectors a body should use at that level: 64 with AVX-512 (its 32
  * registers of 64 bytes), else 32 (gcc lowers a 32-byte GNU vector to two SSE registers at the
- * baseline). MHA_IN_REGISTER(x) keeps a vector x in a register from there on (an empty asm
- * that gcc cannot see through), where x fits one: at the AVX levels. No include guard:
- * included once per type. */
+ * baseline). No include guard: included once per type. */
 #ifdef MHA_SIMD_DISPATCH
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 #define SUFFIX MHA_ISA_CAT(TYPE_SUFFIX, _avx512)
 #define MHA_ISA_WIDE_BYTES 64
-#define MHA_IN_REGISTER(x) __asm__("" : "+v"(x))
 #include MHA_IMPL
-#undef MHA_IN_REGISTER
 #undef MHA_ISA_WIDE_BYTES
 #undef SUFFIX
 #pragma GCC pop_options
@@ -24,30 +20,20 @@
 #pragma GCC target("arch=x86-64-v3")
 #define SUFFIX MHA_ISA_CAT(TYPE_SUFFIX, _avx2)
 #define MHA_ISA_WIDE_BYTES 32
-#define MHA_IN_REGISTER(x) __asm__("" : "+v"(x))
 #include MHA_IMPL
-#undef MHA_IN_REGISTER
 #undef MHA_ISA_WIDE_BYTES
 #undef SUFFIX
 #pragma GCC pop_options
 
 #define SUFFIX MHA_ISA_CAT(TYPE_SUFFIX, _base)
 #define MHA_ISA_WIDE_BYTES 32
-#define MHA_IN_REGISTER(x) ((void)0)
 #include MHA_IMPL
-#undef MHA_IN_REGISTER
 #undef MHA_ISA_WIDE_BYTES
 #undef SUFFIX
 #else
 #define SUFFIX TYPE_SUFFIX
 #define MHA_ISA_WIDE_BYTES 32
-#if defined(__AVX__)
-#define MHA_IN_REGISTER(x) __asm__("" : "+v"(x))
-#else
-#define MHA_IN_REGISTER(x) ((void)0)
-#endif
 #include MHA_IMPL
-#undef MHA_IN_REGISTER
 #undef MHA_ISA_WIDE_BYTES
 #undef SUFFIX
 #endif
