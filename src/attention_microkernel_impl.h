@@ -650,7 +650,9 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
         int nk_next = (int)(after < NK ? after : NK);
         for (ptrdiff_t r = 0, block; r < rows; r += block) {
             /* DRB rows, else what is left: one pass over the tile's K and V rows for a task of
-             * up to DRB rows (a GQA group of 6 query heads took a block of 4 and one of 2) */
+             * up to DRB rows (a GQA group of 6 query heads took a block of 4 and one of 2).
+             * Zen 4, 1 thread, rows x 1 query over 2048 keys, D 128, min of 15, ns a key:
+             * 6 rows 51.3 -> 45.2, 7 rows 57.3 -> 50.3 */
             block = rows - r >= DRB ? DRB : rows - r;
             if (limit + (r + block - 1) * limit_step <= j0)
                 continue;

@@ -41,7 +41,8 @@
 /* a[i * KB + u] += QV(i) * kv[u] for i < R, u < KB: one step over the head dim of a block,
  * QV(i) row i's vector of q (of type T), kv[u] key u's. Row i's vector is loaded once
  * (MHA_IN_REGISTER, above): gcc folded the load into each of the row's KB FMAs (Zen 4,
- * 8 rows x 2 keys: 18 loads per 16 FMAs instead of 10). */
+ * 8 rows x 2 keys: 18 loads per 16 FMAs instead of 10; 1 thread, 8 x 1 query over 2048 keys,
+ * D 128: 58.3 -> 54.5 ns a key). */
 #define MHA_BLOCK_STEP(T, R, KB, QV, kv, a)                                                  \
     do {                                                                                     \
         for (int i_ = 0; i_ < (R); i_++) {                                                   \
