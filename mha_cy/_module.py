@@ -16,7 +16,7 @@ from .rope import call_positions, check_rope
 class MultiHeadAttentionBase:
     """Multi-head attention with PyTorch's conventions (see mha_cy.MultiHeadAttention)."""
 
-    window = None       # the sliding window (mha_cy._window); None = unlimited
+    _window = None      # the sliding window (mha_cy._window); None = unlimited
 
     def __init__(self, embed_dim, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None,
                  vdim=None, bias=True, dtype=np.float32, seed=None, window=None, rope=None):
@@ -198,25 +198,28 @@ class MultiHeadAttentionBase:
         self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
         rows = np.cumsum([0, qw.shape[0], kw.shape[0], vw.shape[0]])
         if self.kdim == self.vdim == self.embed_dim:
-            self.in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype, order="C")
+            self._in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype, order="C")
             self._q_weight, self._k_weight, self._v_weight = (
-                self.in_proj_weight[a:b] for a, b in zip(rows[:-1], rows[1:]))
+                self._in_proj_weight[a:b] for a, b in zip(rows[:-1], rows[1:]))
         else:
-            self.in_proj_weight = None
+            self._in_proj_weight = None
             self._q_weight, self._k_weight, self._v_weight = (
                 np.array(w, dtype=dtype, order="C") for w in (qw, kw, vw))
         if qb is None:
-            self.in_proj_bias = self._q_bias = self._k_bias = self._v_bias = None
+            self._in_proj_bias = self._q_bias = self._k_bias = self._v_bias = None
             self._out_bias = None
         else:
-            self.in_proj_bias = np.concatenate([qb, kb, vb]).astype(dtype)
+            self._in_proj_bias = np.concatenate([qb, kb, vb]).astype(dtype)
             self._q_bias, self._k_bias, self._v_bias = (
-                self.in_proj_bias[a:b] for a, b in zip(rows[:-1], rows[1:]))
+                self._in_proj_bias[a:b] for a, b in zip(rows[:-1], rows[1:]))
             self._out_bias = np.array(ob, dtype=dtype)
         self._out_weight = np.array(ow, dtype=dtype, order="C")
 
     # The parameters, read-only attributes: edit them in place (they are views into the packed
-    # arrays) or build a new module with from_weights.
+    # arrays) or build a new module with from_weights. Assigning a new packed array would have
+    # left the q/k/v views on the old one: the cross-attention path read stale weights.
+    in_proj_weight = property(lambda self: self._in_proj_weight)   # None unless kdim == vdim
+    in_proj_bias = property(lambda self: self._in_proj_bias)       # == embed_dim
     q_weight = property(lambda self: self._q_weight)
     k_weight = property(lambda self: self._k_weight)
     v_weight = property(lambda self: self._v_weight)
@@ -226,6 +229,15 @@ class MultiHeadAttentionBase:
     v_bias = property(lambda self: self._v_bias)
     out_bias = property(lambda self: self._out_bias)
     rope = property(lambda self: self._rope)      # None or a mha_cy.RoPE
+
+    @property
+    def window(self):
+        """None (no limit) or the sliding window, an int >= 1 (see mha_cy._window)."""
+        return self._window
+
+    @window.setter
+    def window(self, window):   # checked as in the constructor: 0 or -1 once meant "no limit"
+        self._window = check_window(window)   # to the kernels and "no key" to the reference
 
     @property
     def kv_head_index(self):

@@ -414,11 +414,19 @@ def getstate(module):
     return state
 
 
+# Attributes that became read-only properties, under the names pickles made before keep them.
+_RENAMED = {"in_proj_weight": "_in_proj_weight", "in_proj_bias": "_in_proj_bias",
+            "window": "_window"}
+
+
 def setstate(module, state):
-    state = dict(state)
-    views = state.pop("__views__", {})
+    state = {_RENAMED.get(name, name): value for name, value in state.items()}
+    views = {name: (_RENAMED.get(owner, owner), *where)
+             for name, (owner, *where) in state.pop("__views__", {}).items()}
     module.__dict__.update(state)
     for name, (owner, offset, shape, strides) in views.items():
         base = state[owner]
         module.__dict__[name] = np.ndarray(shape, base.dtype, buffer=base, offset=offset,
                                            strides=strides)
+    if "_window" in state:      # an old pickle's plain attribute may hold any value: check it
+        module.window = state["_window"]

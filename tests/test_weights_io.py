@@ -495,6 +495,67 @@ def test_unpickled_qkv_weights_are_still_views_of_the_packed_arrays():
     assert np.array_equal(again(x), mha(x))
 
 
+@pytest.mark.parametrize("cls", [MHA, reference.MultiHeadAttention])
+def test_packed_weights_cannot_be_replaced(cls):
+    """Assigning a new in_proj_weight / in_proj_bias once left q/k/v_weight viewing the old
+    array: self-attention used the new weights and cross-attention the old ones. Replacing
+    is refused like every other parameter's; in-place edits stay the way."""
+    mha = cls(16, 4, seed=0)
+    for name in ("in_proj_weight", "in_proj_bias", "q_weight", "out_bias"):
+        with pytest.raises(AttributeError):
+            setattr(mha, name, np.zeros_like(getattr(mha, name)))
+    mha.in_proj_weight[:] = 0.25
+    assert (mha.q_weight == 0.25).all() and (mha.v_weight == 0.25).all()
+
+
+@pytest.mark.parametrize("cls", [MHA, reference.MultiHeadAttention])
+def test_window_attribute_is_checked_when_set(cls):
+    """window=0 once reached the kernels as "no limit" and the reference as "no key"; a
+    huge int raised OverflowError in the middle of a call."""
+    mha = cls(16, 4, seed=0)
+    for bad, error in ((0, ValueError), (-1, ValueError), (10 ** 30, ValueError),
+                       (2.0, TypeError), ("3", TypeError)):
+        with pytest.raises(error, match="window"):
+            mha.window = bad
+        assert mha.window is None
+    mha.window = 2
+    assert mha.window == 2 and "window=2" in repr(mha)
+    x = np.random.default_rng(3).standard_normal((2, 6, 16)).astype(np.float32)
+    ref = reference.MultiHeadAttention.from_weights(
+        mha.q_weight, mha.k_weight, mha.v_weight, mha.out_weight, num_heads=4,
+        q_bias=mha.q_bias, k_bias=mha.k_bias, v_bias=mha.v_bias, out_bias=mha.out_bias,
+        window=2)
+    assert_close(mha(x, is_causal=True), ref(x, is_causal=True))
+    mha.window = None
+    assert_close(mha(x, is_causal=True), reference.MultiHeadAttention.from_weights(
+        mha.q_weight, mha.k_weight, mha.v_weight, mha.out_weight, num_heads=4,
+        q_bias=mha.q_bias, k_bias=mha.k_bias, v_bias=mha.v_bias,
+        out_bias=mha.out_bias)(x, is_causal=True))
+
+
+def test_pickles_with_the_old_attribute_names_still_load():
+    """Pickles made while in_proj_weight, in_proj_bias and window were plain attributes keep
+    those names in their state: loading maps them to the properties' storage, views and all,
+    and checks the window."""
+    mha = MHA(16, 4, seed=0, window=3)
+    state = mha.__getstate__()
+    old = {name.lstrip("_") if name in ("_in_proj_weight", "_in_proj_bias", "_window")
+           else name: value for name, value in state.items()}
+    old["__views__"] = {name: (owner.lstrip("_") if owner == "_in_proj_weight" else owner,
+                               *where) for name, (owner, *where) in state["__views__"].items()}
+    assert "in_proj_weight" in old and "_in_proj_weight" not in old
+    copy = MHA.__new__(MHA)
+    copy.__setstate__(old)
+    _assert_same_module(copy, mha)
+    assert copy.window == 3
+    assert np.shares_memory(copy.q_weight, copy.in_proj_weight)
+    x = np.random.default_rng(4).standard_normal((1, 5, 16)).astype(np.float32)
+    assert np.array_equal(copy(x, is_causal=True), mha(x, is_causal=True))
+    old["window"] = 0
+    with pytest.raises(ValueError, match="window"):
+        MHA.__new__(MHA).__setstate__(old)
+
+
 def test_from_weights_accepts_transposed_weights():
     """Conv1D and some checkpoints hand over transposed (Fortran-ordered) arrays: the packed
     in_proj_weight must still be C-contiguous for the kernels (it once was not, and crashed)."""
