@@ -1,5 +1,6 @@
 """The key/value cache of incremental (token-by-token) decoding."""
 import numbers
+import threading
 
 import numpy as np
 
@@ -76,6 +77,26 @@ class KVCache:
             self.key_scale = np.zeros(shape[:3], dtype=np.float32)
             self.value_scale = np.zeros(shape[:3], dtype=np.float32)
         self._set_lengths(np.zeros(batch_size, dtype=np.int64))
+        self._guard = threading.RLock()
+
+    def _claim(self):
+        """The cache's guard, acquired (release it when done): one call or method at a time
+        may use a cache. Two threads stepping one cache both passed the room check and left
+        lengths past max_len. Reentrant: the compiled step falls back to the general path
+        under the same claim."""
+        guard = self._guard
+        if not guard.acquire(blocking=False):
+            raise RuntimeError("this KVCache is in use by a call in another thread: a cache "
+                               "serves one call at a time (give each thread its own cache); "
+                               "the cache is unchanged")
+        return guard
+
+    def __getstate__(self):         # a lock does not pickle: each copy gets its own
+        return {name: value for name, value in self.__dict__.items() if name != "_guard"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._guard = threading.RLock()
 
     def _set_lengths(self, lengths):
         """The only writer of the lengths: _equal_length is their common value, or None when
@@ -114,11 +135,19 @@ class KVCache:
         """(key, value) as float arrays (batch_size, num_kv_heads, length, head_dim) of
         compute_dtype, length = max_len by default: views of the storage for a float cache,
         new arrays otherwise (the decoded values the kernels compute with)."""
-        stop = self.max_len if length is None else length
+        stop = self.max_len if length is None else self._check_stop(length)
         scales = (self.key_scale, self.value_scale)
         return tuple(self._format.decode(x[:, :, :stop],
                                          None if s is None else s[:, :, :stop])
                      for x, s in zip((self.key, self.value), scales))
+
+    def _check_stop(self, length):
+        """length (of dequantize) as an int in [0, max_len]: a slice took -1 as max_len - 1."""
+        if isinstance(length, (bool, np.bool_)) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"length must be None or an int; got {length!r}")
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be in [0, {self.max_len}] (max_len); got {length}")
+        return int(length)
 
     @property
     def lengths(self):
@@ -142,6 +171,13 @@ class KVCache:
         """Forget every token of sequence b after its first length[b] (e.g. to roll back a
         rejected draft). length: an int (the same for every sequence) or (batch_size,) ints,
         each between 0 and that sequence's cached length."""
+        guard = self._claim()
+        try:
+            self._truncate(length)
+        finally:
+            guard.release()
+
+    def _truncate(self, length):
         equal = self._equal_length
         if (equal is not None and isinstance(length, numbers.Integral)
                 and not isinstance(length, (bool, np.bool_)) and 0 <= length <= equal):
@@ -159,6 +195,13 @@ class KVCache:
     def reorder(self, indices):
         """Sequence b becomes the old sequence indices[b] (beam search: repeats allowed, a
         sequence not listed is dropped). indices: (batch_size,) ints in [0, batch_size)."""
+        guard = self._claim()
+        try:
+            self._reorder(indices)
+        finally:
+            guard.release()
+
+    def _reorder(self, indices):
         if np.ndim(indices) == 0:
             raise TypeError(f"indices must be {self.batch_size} ints; got {indices!r}")
         idx = _int_per_sequence(indices, self.batch_size, "indices")
@@ -192,15 +235,23 @@ class KVCache:
 
     def copy(self):
         """An independent deep copy (storage and lengths)."""
-        new = object.__new__(type(self))
-        new.__dict__.update({name: value.copy() if isinstance(value, np.ndarray) else value
-                             for name, value in self.__dict__.items()})
+        guard = self._claim()       # not torn by a call writing meanwhile
+        try:
+            new = object.__new__(type(self))
+            new.__setstate__({name: value.copy() if isinstance(value, np.ndarray) else value
+                              for name, value in self.__getstate__().items()})
+        finally:
+            guard.release()
         return new
 
     def reset(self):
         """Empty the cache (the storage is kept for reuse)."""
-        self._lengths.fill(0)
-        self._equal_length = 0
+        guard = self._claim()
+        try:
+            self._lengths.fill(0)
+            self._equal_length = 0
+        finally:
+            guard.release()
 
     def _check_room_uniform(self, n_new):
         """_check_room for equal lengths and n_new tokens for every sequence."""

@@ -86,16 +86,15 @@ def cache_format(dtype, module_dtype):
     module_dtype = np.dtype(module_dtype)
     if dtype is None:
         return FloatFormat(module_dtype)
+    expected = f"dtype must be None (= {module_dtype}), np.float16 or 'int8'"
     try:
         dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be None, np.float16 or 'int8' (or the module dtype "
-                        f"{module_dtype}); got {dtype!r}") from None
+    except TypeError:       # not a dtype at all (a dtype this cache lacks: ValueError below)
+        raise TypeError(f"{expected}; got {dtype!r}, which is not a NumPy dtype") from None
     if dt == module_dtype:
         return FloatFormat(module_dtype)
     if dt not in (np.dtype(np.float16), np.dtype(np.int8)):
-        raise ValueError(f"dtype must be None (= {module_dtype}), np.float16 or 'int8'; got "
-                         f"{dt}")
+        raise ValueError(f"{expected}; got {dt}")
     if module_dtype != np.float32:
         raise ValueError(f"dtype {dt} caches need a float32 module (they compute in float32); "
                          f"this module is {module_dtype}: use dtype=None")

@@ -319,37 +319,44 @@ class MultiHeadAttentionBase:
         is_causal = check_bool_flag(is_causal, "is_causal")
         need_weights = check_bool_flag(need_weights, "need_weights")
 
-        plan = None
-        if cache is not None:
-            if not self_attention:
-                raise ValueError("cache= is for self-attention decoding: key and value must be None")
-            self._check_cache(cache, B)
-            plan = CachePlan(cache, Lq, lengths)     # checks lengths and room; writes nothing
-            Lk = plan.k_len
-            is_causal = True        # a decoder's new tokens see only the cache and themselves
-        elif lengths is not None:
-            raise ValueError("lengths= is for ragged batches in a cache: pass cache= too")
-        require_causal(self.window, is_causal)
-        positions = call_positions(self.rope, positions, B, Lq, cache, self_attention)
-        if key_padding_mask is not None:
-            key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
-        if attn_mask is not None:
-            attn_mask = check_attn_mask(attn_mask, B, self.num_heads, Lq, Lk, dt)
-        if head_mask is not None:
-            head_mask = check_head_mask(head_mask, B, self.num_heads, dt)
+        # one call at a time per cache (RuntimeError from another thread's, nothing changed)
+        guard = cache._claim() if isinstance(cache, KVCache) else None
+        try:
+            plan = None
+            if cache is not None:
+                if not self_attention:
+                    raise ValueError("cache= is for self-attention decoding: key and value "
+                                     "must be None")
+                self._check_cache(cache, B)
+                plan = CachePlan(cache, Lq, lengths)     # checks lengths and room; writes nothing
+                Lk = plan.k_len
+                is_causal = True        # a decoder's new tokens see only the cache and themselves
+            elif lengths is not None:
+                raise ValueError("lengths= is for ragged batches in a cache: pass cache= too")
+            require_causal(self.window, is_causal)
+            positions = call_positions(self.rope, positions, B, Lq, cache, self_attention)
+            if key_padding_mask is not None:
+                key_padding_mask = check_key_padding_mask(key_padding_mask, B, Lk)
+            if attn_mask is not None:
+                attn_mask = check_attn_mask(attn_mask, B, self.num_heads, Lq, Lk, dt)
+            if head_mask is not None:
+                head_mask = check_head_mask(head_mask, B, self.num_heads, dt)
 
-        if 0 in (B, Lq, Lk):        # nothing to compute, or nothing to attend to: zero context
-            out = np.zeros((B, Lq, self.embed_dim), dt)
-            if self.out_bias is not None:
-                out += self.out_bias
-            weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
-        else:
-            out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
-                                         attn_mask, is_causal, need_weights, plan, positions,
-                                         head_mask)
-        if plan is not None:
-            plan.zero_padding(out, weights)
-            plan.commit()
+            if 0 in (B, Lq, Lk):        # nothing to compute, or nothing to attend to: zero context
+                out = np.zeros((B, Lq, self.embed_dim), dt)
+                if self.out_bias is not None:
+                    out += self.out_bias
+                weights = np.zeros((B, self.num_heads, Lq, Lk), dt)
+            else:
+                out, weights = self._forward(query, key, value, self_attention, key_padding_mask,
+                                             attn_mask, is_causal, need_weights, plan, positions,
+                                             head_mask)
+            if plan is not None:
+                plan.zero_padding(out, weights)
+                plan.commit()
+        finally:
+            if guard is not None:
+                guard.release()
         if unbatched:
             out = out[0]
             weights = None if weights is None else weights[0]
@@ -363,7 +370,9 @@ class MultiHeadAttentionBase:
         if mine != theirs:
             raise ValueError(f"cache has (num_kv_heads, head_dim, dtype) = {theirs}; this module "
                              f"needs {mine}: make it with this module's new_cache()")
-        check_dim(cache.batch_size, batch, "cache", "batch_size")
+        if cache.batch_size != batch:       # either may be the wrong one: name both
+            raise ValueError(f"cache has batch_size {cache.batch_size} but query has batch "
+                             f"{batch} (an unbatched query is batch 1): they must match")
 
     def _forward(self, query, key, value, self_attention, key_padding_mask, attn_mask,
                  is_causal, need_weights, plan, positions, head_mask):

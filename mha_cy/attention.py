@@ -310,11 +310,17 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         (_step_kernel.decode_step) where it applies, which checks the shapes, dtypes and the
         cache's room itself, else the general path (which names what is wrong). A failed
         call changes nothing: the compiled step writes only once everything has passed."""
-        start = cache._equal_length         # None: a ragged cache, each sequence at its own
-        out = self._compiled_step(x, cache, cache._lengths if start is None else start)
-        if out is None:
-            return super().__call__(x, cache=cache)
-        cache._advance(x.shape[1])
+        guard = cache._guard                # one call at a time per cache (_claim, inlined:
+        if not guard.acquire(False):        # a small model's step takes ~5 us)
+            guard = cache._claim()          # raises
+        try:
+            start = cache._equal_length     # None: a ragged cache, each sequence at its own
+            out = self._compiled_step(x, cache, cache._lengths if start is None else start)
+            if out is None:
+                return super().__call__(x, cache=cache)
+            cache._advance(x.shape[1])
+        finally:
+            guard.release()
         return out
 
     def _compiled_step(self, x, cache, start):

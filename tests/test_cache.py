@@ -181,9 +181,10 @@ def test_cache_of_another_module_config_raises(rng, impl):
 def test_batch_mismatch_raises(rng, impl):
     mha = pick(make_pair(rng, 16, 4, np.float32), impl)
     cache = mha.new_cache(3, 8)
-    with pytest.raises(ValueError, match=r"cache has batch_size 3; expected 2"):
+    with pytest.raises(ValueError, match=r"cache has batch_size 3 but query has batch 2"):
         mha(rng.standard_normal((2, 1, 16)), cache=cache)
-    with pytest.raises(ValueError, match=r"cache has batch_size 3; expected 1"):
+    with pytest.raises(ValueError, match=r"cache has batch_size 3 but query has batch 1 \(an "
+                                         r"unbatched query is batch 1\)"):
         mha(rng.standard_normal((1, 16)), cache=cache)          # unbatched = batch 1
     assert cache.length == 0
 
@@ -283,6 +284,23 @@ def test_new_cache_arguments():
     with pytest.raises(ValueError, match=r"batch_size=1000000000, .*max_len=1000000000, "
                                          r".*too large"):
         mha.new_cache(10**9, 10**9)
+
+
+def test_dequantize_checks_its_length(rng):
+    """dequantize(-1) gave max_len - 1 positions and a length past max_len was cut silently
+    (a slice's rules); 1.5 raised NumPy's slice error, which named no argument."""
+    mha = mha_cy.MultiHeadAttention(16, 4, seed=0)
+    for fmt in (None, np.float16, "int8"):
+        cache = mha.new_cache(2, 5, dtype=fmt)
+        mha(rng.standard_normal((2, 3, 16)).astype(np.float32), cache=cache)
+        for bad, exc in ((-1, ValueError), (6, ValueError), (1.5, TypeError), (True, TypeError),
+                         ("2", TypeError)):
+            with pytest.raises(exc, match="length"):
+                cache.dequantize(bad)
+        for n in (0, 3, 5, np.int64(4)):
+            key, value = cache.dequantize(n)
+            assert key.shape == value.shape == (2, 4, n, 4)
+        assert cache.dequantize()[0].shape == (2, 4, 5, 4)
 
 
 def test_direct_construction_checks_its_sizes():

@@ -106,6 +106,73 @@ def test_each_thread_with_its_own_cache_is_bitwise_serial():
             assert g.tobytes() == w.tobytes()
 
 
+def _state(cache):
+    return cache.lengths.tolist(), cache.key.tobytes(), cache.value.tobytes()
+
+
+@pytest.mark.parametrize("cls", [mha_cy.MultiHeadAttention, mha_cy.reference.MultiHeadAttention])
+@pytest.mark.parametrize("fmt", [None, np.float16, "int8"], ids=["f32", "f16", "i8"])
+def test_a_cache_in_use_by_another_thread_refuses_and_stays_unchanged(cls, fmt):
+    """Two threads stepping one cache both passed its room check, and its length went past
+    max_len. A cache serves one call at a time: while another thread holds it, every call and
+    method that uses it raises RuntimeError and changes nothing."""
+    mha = cls(16, 4, num_kv_heads=2, seed=0)
+    rng = np.random.default_rng(0)
+    cache = mha.new_cache(2, 8, dtype=fmt)
+    x = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    mha(x, cache=cache)
+    before = _state(cache)
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        guard = cache._claim()
+        held.set()
+        done.wait(60)
+        guard.release()
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(60)
+    try:
+        step = x[:, :1]
+        for use in (lambda: mha(step, cache=cache),                 # the compiled step
+                    lambda: mha(step, cache=cache, need_weights=True),  # the general path
+                    lambda: mha(step, cache=cache, lengths=[1, 0]),
+                    lambda: cache.truncate(1), lambda: cache.reorder([1, 0]),
+                    lambda: cache.reset(), lambda: cache.copy()):
+            with pytest.raises(RuntimeError, match="in use by a call in another thread"):
+                use()
+            assert _state(cache) == before
+    finally:
+        done.set()
+        holder.join(60)
+    out = mha(x[:, :1], cache=cache)        # free again; the compiled step's fallback to the
+    assert cache.length == 4                # general path re-enters the same claim
+    assert np.isfinite(out).all()
+
+
+def test_threads_racing_on_one_cache_never_pass_max_len():
+    """Stress: threads stepping one cache get outputs or RuntimeError / overflow errors, and
+    the cache's length never passes max_len."""
+    mha = mha_cy.MultiHeadAttention(32, 4, seed=0)
+    x = np.random.default_rng(1).standard_normal((1, 1, 32)).astype(np.float32)
+    for _ in range(30):
+        cache = mha.new_cache(1, 4)
+        mha(np.repeat(x, 3, axis=1), cache=cache)
+
+        def step(i):
+            try:
+                mha(x, cache=cache)
+                return "ok"
+            except RuntimeError:
+                return "busy"
+            except ValueError as exc:
+                assert "cache overflow" in str(exc)
+                return "full"
+        results = run_in_threads(step, n=4)
+        assert cache.length <= cache.max_len == 4
+        assert results.count("ok") == cache.length - 3
+
+
 def test_threads_n_is_per_thread_and_never_changes_results():
     mha = mha_cy.MultiHeadAttention(64, 4, seed=2)
     x = np.random.default_rng(2).standard_normal((2, 200, 64)).astype(np.float32)
