@@ -799,6 +799,12 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     p.mb = p.mh = p.ml = p.mk = 0
     if mask is not None:
         mask_view = mask
+        # the kernel indexes both by (batch, head, row, key) / (batch, key) without bounds: a
+        # (B, 1) padding made of a key-size-1 mask once read past its end
+        expected = (p.batch, p.q_heads, p.q_len, p.k_len)
+        if tuple(mask.shape) != expected:
+            raise ValueError(f"attention: mask must be (B, Hq, Lq, Lk) = {expected}; got "
+                             f"{tuple(mask.shape)}")
         mask_ptr = &mask_view[0, 0, 0, 0]
         p.mb, p.mh = _elem(mask_view.strides[0], isz), _elem(mask_view.strides[1], isz)
         p.ml, p.mk = _elem(mask_view.strides[2], isz), _elem(mask_view.strides[3], isz)
@@ -808,6 +814,9 @@ def attention(const floating[:, :, :, :] q, k, v, floating[:, :, :, :] out,
     p.pb = 0
     if pad is not None:
         pad_view = pad
+        if pad_view.shape[0] != p.batch or pad_view.shape[1] != p.k_len:
+            raise ValueError(f"attention: key padding must be (B, Lk) = {(p.batch, p.k_len)}; "
+                             f"got {tuple(pad.shape)}")
         pad_ptr = &pad_view[0, 0]
         p.pb = pad_view.strides[0]
     p.pad = pad_ptr

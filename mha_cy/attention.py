@@ -121,7 +121,7 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     if 0 in shape or k.shape[2] == 0:             # nothing to compute or to attend to
         return np.zeros(shape, dtype=q.dtype)
     out = np.empty(shape, dtype=q.dtype)
-    padding = None if attn_mask is None else _as_key_padding(attn_mask, q.shape[0])
+    padding = None if attn_mask is None else _as_key_padding(attn_mask, q.shape[0], k.shape[2])
     if padding is not None:
         attn_mask = None
     with blas_single_threaded():
@@ -130,14 +130,16 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     return out
 
 
-def _as_key_padding(mask, batch):
+def _as_key_padding(mask, batch, k_len):
     """A bool attn_mask (4-D, as check_attn_mask gives it) that varies only along the batch and
-    the keys, (B or 1, 1, 1, Lk): PyTorch's usual padding mask. As key padding (B, Lk), True =
-    hidden, the kernel skips each sequence's trailing padded key tiles and reads no additive
-    mask, with the same results (a hidden key weighs +0 either way). None for other masks."""
+    the keys, (B or 1, 1, 1, Lk or 1): PyTorch's usual padding mask. As key padding (B, Lk),
+    True = hidden, the kernel skips each sequence's trailing padded key tiles and reads no
+    additive mask, with the same results (a hidden key weighs +0 either way). None for other
+    masks. (Broadcast to k_len, not to the mask's last axis: a key axis of size 1 made a
+    (B, 1) padding that the kernel read Lk bytes of.)"""
     if mask.dtype != np.bool_ or mask.shape[1] != 1 or mask.shape[2] != 1:
         return None
-    return np.logical_not(np.broadcast_to(mask[:, 0, 0, :], (batch, mask.shape[3])))
+    return np.logical_not(np.broadcast_to(mask[:, 0, 0, :], (batch, k_len)))
 
 
 def _token_rows(x):

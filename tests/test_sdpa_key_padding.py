@@ -60,10 +60,42 @@ def test_a_batch_one_padding_mask_broadcasts_over_the_batch():
 @pytest.mark.parametrize("shape,dtype", [((2, 1, 5, 9), bool), ((2, 3, 1, 9), bool),
                                          ((2, 1, 1, 9), np.float32)])
 def test_other_masks_are_not_key_padding(shape, dtype):
-    assert _as_key_padding(np.zeros(shape, dtype), 2) is None
+    assert _as_key_padding(np.zeros(shape, dtype), 2, 9) is None
 
 
 def test_key_padding_is_the_negated_mask():
     mask = np.array([[True, True, False], [False, True, True]])[:, None, None, :]
-    np.testing.assert_array_equal(_as_key_padding(mask, 2), [[False, False, True],
-                                                             [True, False, False]])
+    np.testing.assert_array_equal(_as_key_padding(mask, 2, 3), [[False, False, True],
+                                                                [True, False, False]])
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1), (3, 1, 1), (1, 1, 1, 1), (3, 1, 1, 1),
+                                        (1, 1, 1, 300)])
+@pytest.mark.parametrize("value", [True, False])
+def test_masks_of_one_key_broadcast_to_every_key(rng, mask_shape, value):
+    """A bool mask whose key axis has size 1 became a (B, 1) key padding that the kernel read
+    Lk bytes of: garbage results (errors up to 5e29 in a random sweep) and a read past the
+    array. It must broadcast to every key, as in the reference."""
+    q = rng.standard_normal((3, 2, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((3, 2, 300, 8)).astype(np.float32) for _ in range(2))
+    mask = np.full(mask_shape, value)
+    got = mha_cy.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = reference.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    np.testing.assert_allclose(got, want, **TOL[np.float32])
+    if value:
+        np.testing.assert_array_equal(got, mha_cy.scaled_dot_product_attention(q, k, v))
+
+
+def test_the_kernel_refuses_masks_of_another_shape():
+    """The kernel indexes masks without bounds: it checks their shapes itself."""
+    from mha_cy import _attention_kernel
+    q = np.zeros((2, 1, 3, 8), np.float32)
+    k = v = np.zeros((2, 1, 5, 8), np.float32)
+    out = np.empty_like(q)
+    args = (False, 0.5, None, 1, 0, None, None, None, None)
+    with pytest.raises(ValueError, match=r"key padding must be \(B, Lk\) = \(2, 5\); got "
+                                         r"\(2, 1\)"):
+        _attention_kernel.attention(q, k, v, out, None, np.zeros((2, 1), np.uint8), *args)
+    with pytest.raises(ValueError, match=r"mask must be \(B, Hq, Lq, Lk\) = \(2, 1, 3, 5\)"):
+        _attention_kernel.attention(q, k, v, out, np.zeros((2, 1, 3, 4), np.float32), None,
+                                    *args)
