@@ -47,14 +47,26 @@ def positive_int(value, name):
     return int(value)
 
 
+def torch_to_numpy(x):
+    """x, or a CPU torch tensor's values as a NumPy array (any device, strides, requires_grad;
+    bfloat16 and the float8 types, which NumPy lacks, widened to float32, which holds them
+    exactly; torch's own error for them named no argument). torch is not imported."""
+    if hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "numpy"):
+        x = x.detach().cpu()
+        if x.is_floating_point() and str(x.dtype) not in (
+                "torch.float16", "torch.float32", "torch.float64"):
+            x = x.float()
+        x = x.numpy()
+    return x
+
+
 def as_array(x, name):
     """x as a numpy array of real numbers (CPU torch tensors are accepted too).
 
     bool arrays are data like any other (True = 1.0) and are converted by the callers; the
     bool *masks* have their own checks (check_key_padding_mask, check_attn_mask).
     """
-    if hasattr(x, "detach") and hasattr(x, "cpu"):        # a torch.Tensor, without importing torch
-        x = x.detach().cpu().numpy()
+    x = torch_to_numpy(x)
     try:
         arr = np.asarray(x)
     except Exception as exc:
@@ -96,7 +108,7 @@ def check_bool_flag(value, name):
 
 def check_key_padding_mask(mask, batch, k_len):
     """A bool (batch, k_len) array, True = padding (the key is ignored)."""
-    arr = np.asarray(mask)
+    arr = np.asarray(torch_to_numpy(mask))
     if arr.dtype != np.bool_:
         raise TypeError(
             f"key_padding_mask must be a bool array (True = padding, ignored); got dtype {arr.dtype}")
@@ -112,7 +124,7 @@ def check_attn_mask(mask, batch, heads, q_len, k_len, dtype):
     Accepted: (Lq, Lk), (B, Lq, Lk), (B, H, Lq, Lk), any axis may be 1 (broadcast).
     bool: True = may attend. floating: added to the scores (converted to dtype).
     """
-    arr = np.asarray(mask)
+    arr = np.asarray(torch_to_numpy(mask))
     if arr.dtype.kind == "f":
         arr = arr.astype(dtype, copy=False)
     elif arr.dtype != np.bool_:

@@ -8,7 +8,7 @@ from ._cache_formats import cache_format
 from ._call_plan import CachePlan
 from ._checks import (as_array, as_float_array, check_attn_mask, check_bool_flag, check_dim,
                       check_head_mask, check_key_padding_mask, check_ndim, float_dtype,
-                      positive_int, result_dtype)
+                      positive_int, result_dtype, torch_to_numpy)
 from ._window import check_window, require_causal
 from .rope import call_positions, check_rope
 
@@ -115,6 +115,10 @@ class MultiHeadAttentionBase:
         imported here). Its ``batch_first`` does not matter: mha_cy is always batch first.
         Dropout is ignored (inference). ``add_bias_kv`` and ``add_zero_attn`` have no
         equivalent and raise ValueError. dtype as in from_weights."""
+        if not all(hasattr(module, n) for n in ("num_heads", "out_proj", "in_proj_weight")):
+            raise TypeError(f"module must be a torch.nn.MultiheadAttention; got "
+                            f"{type(module).__name__} (for a Hugging Face attention layer, use "
+                            "from_state_dict(layer.state_dict(), layout))")
         if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
             raise ValueError("module was made with add_bias_kv=True, which mha_cy does not support")
         if getattr(module, "add_zero_attn", False):
@@ -309,7 +313,7 @@ class MultiHeadAttentionBase:
         if unbatched:
             query, key, value = query[None], key[None], value[None]
             if key_padding_mask is not None:
-                key_padding_mask = np.asarray(key_padding_mask)
+                key_padding_mask = np.asarray(torch_to_numpy(key_padding_mask))
                 if key_padding_mask.ndim == 1:
                     key_padding_mask = key_padding_mask[None]
             if lengths is not None and np.ndim(lengths) == 0:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._checks import positive_int
+from ._checks import positive_int, torch_to_numpy
 
 # The version of the .npz files written by save(); load() refuses other versions.
 FORMAT = "mha_cy.MultiHeadAttention/1"
@@ -37,13 +37,7 @@ def _to_numpy(value, key):
     """A NumPy array from a NumPy array or a torch tensor (any device, dtype, strides, with or
     without requires_grad). bfloat16 and the float8 types have no NumPy dtype: they are widened
     to float32, which holds them exactly."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):        # a torch.Tensor
-        value = value.detach().cpu()
-        if value.is_floating_point() and str(value.dtype) not in (
-                "torch.float16", "torch.float32", "torch.float64"):
-            value = value.float()
-        value = value.numpy()
-    arr = np.asarray(value)
+    arr = np.asarray(torch_to_numpy(value))
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"state[{key!r}] must hold real numbers; got dtype {arr.dtype}")
     return arr
@@ -250,12 +244,21 @@ def _layout_bert(s, num_heads, num_kv_heads):
 
 def _layout_llama(s, num_heads, num_kv_heads):
     """Llama/Mistral/Qwen2's attention: {q,k,v,o}_proj, each bias optional (Qwen2 has q/k/v)."""
+    for name in ("q_norm.weight", "k_norm.weight"):
+        if s.has(name):     # loading the projections alone gave relative errors of 0.75-0.83
+            raise ValueError(f"{s.prefix + name!r} is present: the layer normalizes each head's "
+                             "q and k before RoPE (Qwen3, OLMo2, Gemma3, Cohere's qk norm), "
+                             "which mha_cy does not support")
     return _linear_layout(s, ("q_proj", "k_proj", "v_proj", "o_proj"),
                           num_heads, num_kv_heads, biases_required=False)
 
 
 def _layout_gpt2(s, num_heads, num_kv_heads):
     """GPT-2's Conv1D layers, which store weights as (in_features, out_features)."""
+    if s.has("q_attn.weight"):
+        raise ValueError(f"{s.prefix + 'q_attn.weight'!r} is present: this is GPT-2's "
+                         "cross-attention (q_attn for the queries, c_attn for keys and values), "
+                         "which the 'gpt2' layout does not load (only self-attention)")
     attn_w, proj_w = s.get("c_attn.weight"), s.get("c_proj.weight")
     attn_b, proj_b = s.get("c_attn.bias"), s.get("c_proj.bias")
     key = s.prefix + "c_attn.weight"

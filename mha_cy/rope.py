@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from ._checks import check_bool_flag, positive_int, real_as_float
+from ._checks import check_bool_flag, positive_int, real_as_float, torch_to_numpy
 
 __all__ = ["RoPE"]
 
@@ -127,9 +127,7 @@ def call_positions(rope, positions, batch, q_len, cache, self_attention):
 
 
 def _check_positions(positions, batch, q_len):
-    if hasattr(positions, "detach") and hasattr(positions, "cpu"):   # a torch tensor
-        positions = positions.detach().cpu().numpy()
-    arr = np.asarray(positions)
+    arr = np.asarray(torch_to_numpy(positions))
     if arr.dtype.kind not in "iu":
         raise TypeError(f"positions must be an integer array; got dtype {arr.dtype}")
     if arr.shape not in ((q_len,), (batch, q_len)):

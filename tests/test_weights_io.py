@@ -568,3 +568,66 @@ def test_from_weights_accepts_transposed_weights():
     pad = np.array([[False, False, True], [False, False, False]])
     assert np.array_equal(mha(x, is_causal=True), ref(x, is_causal=True))
     assert np.array_equal(mha(x, key_padding_mask=pad), ref(x, key_padding_mask=pad))
+
+
+def _llama_qk_state(rng, prefix="", extra=()):
+    w = {f"{prefix}{n}_proj.weight": rng.standard_normal(shape).astype(np.float32)
+         for n, shape in (("q", (16, 16)), ("k", (8, 16)), ("v", (8, 16)), ("o", (16, 16)))}
+    w.update({prefix + name: np.ones(4, np.float32) for name in extra})
+    return w
+
+
+@pytest.mark.parametrize("norm", ["q_norm.weight", "k_norm.weight"])
+def test_llama_layout_refuses_per_head_qk_norms(norm):
+    """Qwen3 / OLMo2 / Gemma3 keep q_norm / k_norm beside the projections: loading the
+    projections alone gave relative errors of 0.75-0.83 against the model, silently."""
+    rng = np.random.default_rng(0)
+    state = _llama_qk_state(rng, "layers.0.self_attn.", extra=(norm,))
+    with pytest.raises(ValueError, match=rf"'layers.0.self_attn.{norm}' is present: .*normalizes"):
+        MHA.from_state_dict(state, "llama", num_heads=4, prefix="layers.0.self_attn.")
+    plain = _llama_qk_state(rng, "layers.0.self_attn.")
+    assert MHA.from_state_dict(plain, "llama", num_heads=4,
+                               prefix="layers.0.self_attn.").num_kv_heads == 2
+
+
+def test_gpt2_layout_names_cross_attention():
+    e = 8
+    state = {"c_attn.weight": np.zeros((e, 2 * e), np.float32),
+             "c_attn.bias": np.zeros(2 * e, np.float32),
+             "q_attn.weight": np.zeros((e, e), np.float32), "q_attn.bias": np.zeros(e, np.float32),
+             "c_proj.weight": np.zeros((e, e), np.float32), "c_proj.bias": np.zeros(e, np.float32)}
+    with pytest.raises(ValueError, match="'q_attn.weight' is present: this is GPT-2's "
+                                         "cross-attention"):
+        MHA.from_state_dict(state, "gpt2", num_heads=2)
+
+
+def test_from_torch_names_what_it_needs():
+    torch = _torch()
+    for wrong in (torch.nn.Linear(4, 4), torch.nn.TransformerEncoderLayer(8, 2)):
+        with pytest.raises(TypeError, match=r"must be a torch.nn.MultiheadAttention; got "
+                                            + type(wrong).__name__):
+            MHA.from_torch(wrong)
+
+
+def test_bfloat16_and_requires_grad_tensors_are_read_like_the_others():
+    """torch's .numpy() raised 'Got unsupported ScalarType BFloat16' (no argument named) and
+    refused tensors that require grad as masks: they are widened to float32 (exact) and
+    detached, as from_state_dict already did."""
+    torch = _torch()
+    torch_mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    exact = MHA.from_torch(torch_mha)
+    bf16 = MHA.from_torch(torch_mha.to(torch.bfloat16))
+    assert np.array_equal(bf16.in_proj_weight,
+                          torch_mha.in_proj_weight.detach().float().numpy())
+    assert not np.array_equal(bf16.in_proj_weight, exact.in_proj_weight)   # really rounded
+    x = torch.randn(2, 3, 8).to(torch.bfloat16)
+    x32 = x.float().numpy()
+    mask = torch.zeros(3, 3, requires_grad=True)
+    padding = torch.tensor([[False, False, True], [False, False, False]])
+    got = bf16(x, attn_mask=mask, key_padding_mask=padding)
+    assert got.dtype == np.float32
+    assert_close(got, bf16(x32, attn_mask=np.zeros((3, 3), np.float32),
+                           key_padding_mask=padding.numpy()))
+    q = torch.randn(1, 2, 3, 4).to(torch.bfloat16)
+    assert_close(mha_cy.scaled_dot_product_attention(q, q, q, attn_mask=mask),
+                 mha_cy.scaled_dot_product_attention(*(q.float().numpy(),) * 3))
