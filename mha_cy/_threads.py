@@ -60,7 +60,6 @@ itself built with OpenMP).  So one race is left that no holder can fix: a
 temporary 1 and, if it leaves after the hold, restores that 1.
 """
 
-import contextlib
 import contextvars
 import math
 import operator
@@ -266,20 +265,34 @@ def _warn_forked_once():
             RuntimeWarning, stacklevel=3)
 
 
-@contextlib.contextmanager
-def threads(n):
+class threads:
     """``with threads(n): ...`` uses n threads inside, then restores the previous setting.
 
     ``n`` as for :func:`set_num_threads` (None: the automatic default).  The
     previous setting comes back also when the block raises.  The setting is a
     context variable: it applies only to the Python thread (or asyncio task)
-    that entered the block, and overrides ``set_num_threads`` there.
+    that entered the block, and overrides ``set_num_threads`` there.  Blocks nest
+    like any context manager: one left out of order (a generator suspended inside
+    one block and closed inside another) leaves the other's setting behind.  One
+    ``threads(n)`` object is one block: entering it again while it is open raises
+    RuntimeError (``contextlib`` named no cause).
     """
-    token = _context_num_threads.set(_check_num_threads(n))
-    try:
-        yield get_num_threads()
-    finally:
+
+    def __init__(self, n):
+        self._n = _check_num_threads(n)
+        self._token = None
+
+    def __enter__(self):
+        if self._token is not None:
+            raise RuntimeError("this threads() block is already open: make a new one, "
+                               "mha_cy.threads(n), for a nested block")
+        self._token = _context_num_threads.set(self._n)
+        return get_num_threads()
+
+    def __exit__(self, exc_type, exc, tb):
+        token, self._token = self._token, None
         _context_num_threads.reset(token)
+        return False
 
 
 # -- scipy's BLAS ----------------------------------------------------------------

@@ -137,6 +137,20 @@ def test_threads_context_restores_on_exception():
     assert get_num_threads() == (2 if openmp_enabled() else 1)
 
 
+def test_one_threads_block_cannot_be_entered_twice():
+    """contextlib's AttributeError ('... has no attribute args') named no cause."""
+    set_num_threads(2)
+    block = threads(1)
+    with block:
+        with pytest.raises(RuntimeError, match=r"threads\(\) block is already open"):
+            with block:
+                pass  # pragma: no cover
+        assert get_num_threads() == 1
+    assert get_num_threads() == (2 if openmp_enabled() else 1)
+    with block:                 # closed again: it may be reused
+        assert get_num_threads() == 1
+
+
 @pytest.mark.parametrize("bad", [0, -1, -100])
 def test_bad_value_raises_value_error_naming_n(bad):
     with pytest.raises(ValueError, match=rf"\bn\b.*>= 1.*got {bad}"):
