@@ -83,10 +83,10 @@ def as_float_array(x, name, dtype):
 
 
 def result_dtype(*arrays):
-    """float64 if any input is float64 (in either byte order: '>f8' == np.float64 is False),
-    else float32 (the two dtypes computed natively)."""
-    f64 = np.dtype(np.float64)
-    return f64 if any(a.dtype.newbyteorder("=") == f64 for a in arrays) else np.dtype(np.float32)
+    """float64 if any input is a float of 8 bytes or more (float64 in either byte order,
+    longdouble: computed in float32 before), else float32 (the two dtypes computed natively)."""
+    wide = any(a.dtype.kind == "f" and a.dtype.itemsize >= 8 for a in arrays)
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
 def check_ndim(arr, name, ndims, what):

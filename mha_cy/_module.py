@@ -61,7 +61,8 @@ class MultiHeadAttentionBase:
         v_weight (num_kv_heads * head_dim, vdim), out_weight (embed_dim, num_heads * head_dim);
         embed_dim, kdim, vdim and head_dim are read off the shapes. A missing bias is zero
         (some models have no bias on k only); no bias at all means bias=False. The arrays are
-        copied. dtype: float32 or float64; None = float64 if any weight is float64, else float32.
+        copied. dtype: float32 or float64; None = float64 if any weight is float64 (or wider), else
+        float32.
         window: the sliding window, as in the constructor.
         rope: None or a mha_cy.RoPE (rotary embeddings of the q and k heads).
         """

@@ -105,7 +105,8 @@ def scaled_dot_product_attention(q, k, v, *, attn_mask=None, is_causal=False, sc
     Lq (diagonal at the bottom right). scale: default 1/sqrt(D). A row with every key masked
     gives zeros. window: None or an int >= 1, with is_causal only: query i sees just the keys i
     + Lk - Lq - window < j <= i + Lk - Lq (sliding-window attention; the keys before the window
-    are not read). Returns (B, Hq, Lq, Dv), float64 if any input is float64 else float32.
+    are not read). Returns (B, Hq, Lq, Dv), float64 if any input is float64 (or wider) else
+    float32.
     """
     if (attn_mask is None and scale is None and window is None
             and (is_causal is False or is_causal is True)):

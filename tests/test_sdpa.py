@@ -375,3 +375,11 @@ def test_the_compiled_common_call_takes_only_plain_operands(rng, variant):
     finally:
         if previous is not None:
             _attention_kernel._set_tile_kernel(previous)
+
+
+def test_longdouble_inputs_compute_in_float64(rng):
+    """np.longdouble inputs were computed in float32, silently: float64 is the nearest."""
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)) for _ in range(3))
+    got = mha_cy.scaled_dot_product_attention(q.astype(np.longdouble), k, v.astype(np.float32))
+    assert got.dtype == np.float64
+    assert_close(got, reference.scaled_dot_product_attention(q, k, v.astype(np.float32)))
