@@ -18,8 +18,11 @@ _CORE_LEVELS = {
     "avx512": ("skylakex", "cooperlake", "sapphirerapids"),
     "avx2": ("haswell", "zen"),
     "avx": ("sandybridge", "bulldozer", "piledriver", "steamroller", "excavator"),
+    # Katmai & co.: the generic cores scipy's OpenBLAS reports for OPENBLAS_CORETYPE=Prescott,
+    # Core2, Penryn, Opteron, Nano, ... (the slowest kernels: 1.8x SkylakeX's sgemm time)
     "sse2": ("prescott", "core2", "penryn", "dunnington", "nehalem", "atom", "opteron",
-             "opteron_sse3", "barcelona", "bobcat", "nano"),
+             "opteron_sse3", "barcelona", "bobcat", "nano", "katmai", "coppermine",
+             "northwood", "banias", "yonah", "athlon"),
 }
 _LEVEL_OF_CORE = {core: level for level, cores in _CORE_LEVELS.items() for core in cores}
 
@@ -32,8 +35,9 @@ def kernel_simd_level(core):
 def blas_warning(core, cpu_level, environ):
     """A warning (str) when OpenBLAS core ``core`` runs below ``cpu_level``, else None.
 
-    ``cpu_level`` is mha_cy's simd_level() ("native" builds and unknown names give None: no
-    comparison is possible); ``environ`` is the environment OpenBLAS was loaded with.
+    ``cpu_level`` is the CPU's own level (cpu_simd_level(): what OpenBLAS could use, whatever
+    MHA_CY_SIMD forces on mha_cy's kernels; unknown names give None: no comparison is
+    possible); ``environ`` is the environment OpenBLAS was loaded with.
     """
     kernel = kernel_simd_level(core)
     if kernel is None or cpu_level not in SIMD_RANK or SIMD_RANK[kernel] >= SIMD_RANK[cpu_level]:

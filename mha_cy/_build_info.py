@@ -66,7 +66,7 @@ def build_info():
         "num_threads": get_num_threads(),
         "max_threads": openmp_max_threads(),
         "blas": blas,
-        "blas_warning": blas_warning(core, simd, os.environ),
+        "blas_warning": blas_warning(core, cpu_simd_level(), os.environ),
         "simd": simd,
         "simd_cpu": cpu_simd_level(),
         "int8_dot": int8_dot(),
