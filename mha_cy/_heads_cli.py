@@ -7,6 +7,7 @@ its statistics (head_stats) and its rank by how much dropping it changes the out
 (rank_heads).
 """
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -31,7 +32,31 @@ def _parse_args(argv):
     args = parser.parse_args(argv)
     if args.layer < 0:
         parser.error(f"--layer must be >= 0; got {args.layer}")
+    args.out = _picture_path(args.out, parser)
     return args, parser
+
+
+def _picture_path(out, parser):
+    """--out checked before the model loads (~6 s): a name without an extension gets .png (as
+    matplotlib would, while the CLI printed the name without it), the folder must exist and
+    the extension be a format matplotlib writes."""
+    if os.path.isdir(out):
+        parser.error(f"--out {out!r} is a directory; give a file name, e.g. {out}/heads.png")
+    stem, ext = os.path.splitext(out)
+    if not ext:
+        out, ext = out + ".png", ".png"
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        parser.error(f"--out {out!r}: the folder {folder!r} does not exist")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:         # main() reports the missing matplotlib with its remedy
+        return out
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext[1:].lower() not in formats:
+        parser.error(f"--out {out!r}: matplotlib writes no {ext!r} files; use one of "
+                     + ", ".join("." + f for f in sorted(formats)))
+    return out
 
 
 def _favourite(top_key, tokens):
@@ -64,7 +89,10 @@ def main(argv=None):
         return 1
     except ValueError as exc:               # a layer out of range
         parser.error(str(exc))
-    tokens, hidden = _minilm.layer_inputs(minilm, args.sentence)
+    try:
+        tokens, hidden = _minilm.layer_inputs(minilm, args.sentence)
+    except ValueError as exc:               # longer than the model's positions
+        parser.error(str(exc))
     mha, x = minilm.attention[args.layer], hidden[args.layer]
     _, weights = mha(x, need_weights=True)
     try:

@@ -69,6 +69,10 @@ def layer_inputs(minilm, sentence):
     if not isinstance(sentence, str):
         raise TypeError(f"sentence must be a str; got {type(sentence).__name__}")
     encoded = minilm.tokenizer(sentence, return_tensors="pt")
+    n, most = encoded["input_ids"].shape[1], minilm.model.config.max_position_embeddings
+    if n > most:        # the model's position embeddings end there (torch's error named none)
+        raise ValueError(f"the sentence is {n} word pieces with [CLS] and [SEP]; "
+                         f"all-MiniLM-L6-v2 reads at most {most}")
     with torch.no_grad():
         out = minilm.model(**encoded, output_hidden_states=True)
     tokens = minilm.tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())

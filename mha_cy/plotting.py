@@ -5,10 +5,14 @@ plain matplotlib.figure.Figure (no pyplot state: nothing to close, safe in serve
 loops); show it in a notebook as the last expression, or save it with fig.savefig or path=.
 """
 import math
+import numbers
 
 import numpy as np
 
 from ._checks import as_array, check_ndim
+
+# Tokens per axis that get a label each (panels grow with them up to that size).
+MAX_LABELS = 64
 
 __all__ = ["plot_heads"]
 
@@ -67,14 +71,9 @@ def plot_heads(weights, tokens=None, *, batch=0, path=None, heads=None, title=No
                          f"{batch}")
     w = w[batch].astype(np.float64, copy=False)
     n_heads, q_len, k_len = w.shape
-    if heads is None:
-        heads = list(range(n_heads))
-    else:
-        heads = [int(h) for h in heads]
-        bad = [h for h in heads if not 0 <= h < n_heads]
-        if bad or not heads:
-            raise ValueError(f"heads must be a non-empty list of heads in [0, {n_heads}); got "
-                             f"{heads}")
+    if n_heads == 0:            # (the grid's arithmetic divided by zero)
+        raise ValueError(f"weights have no heads (shape {w.shape}): nothing to draw")
+    heads = _check_heads(heads, n_heads)
     if 0 in (q_len, k_len):
         raise ValueError(f"weights have no queries or no keys (shape {w.shape}): nothing to draw")
     q_labels, k_labels = _labels(tokens, q_len, k_len)
@@ -82,13 +81,17 @@ def plot_heads(weights, tokens=None, *, batch=0, path=None, heads=None, title=No
 
     cols = min(len(heads), max(1, math.ceil(math.sqrt(len(heads)))))
     rows = math.ceil(len(heads) / cols)
-    # panels grow with the number of tokens so that every label stays readable
+    # panels grow with the number of tokens so that every label stays readable, up to
+    # MAX_LABELS tokens; longer axes keep that size and label every n-th token (512 tokens
+    # made a 1.9 Gpx picture)
     cell = 0.22
-    panel_w = max(2.5, 0.9 + cell * k_len)
-    panel_h = max(2.5, 0.9 + cell * q_len)
+    panel_w = max(2.5, 0.9 + cell * min(k_len, MAX_LABELS))
+    panel_h = max(2.5, 0.9 + cell * min(q_len, MAX_LABELS))
     fig = Figure(figsize=(cols * panel_w + 1.2, rows * panel_h + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
-    vmax = float(np.nanmax(w[heads])) or 1.0
+    drawn = w[heads]
+    finite = drawn[np.isfinite(drawn)]     # NaN / inf weights: the scale of the others
+    vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
     font = 7 if max(q_len, k_len) > 12 else 8
     used = []
     for i, ax in enumerate(axes.flat):
@@ -100,8 +103,9 @@ def plot_heads(weights, tokens=None, *, batch=0, path=None, heads=None, title=No
         image = ax.imshow(w[h], cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto",
                           interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=font + 2)
-        ax.set_xticks(range(k_len), k_labels, rotation=90, fontsize=font)
-        ax.set_yticks(range(q_len), q_labels, fontsize=font)
+        kx, qy = _every(k_len), _every(q_len)
+        ax.set_xticks(range(0, k_len, kx), k_labels[::kx], rotation=90, fontsize=font)
+        ax.set_yticks(range(0, q_len, qy), q_labels[::qy], fontsize=font)
         ax.tick_params(length=0)
     fig.colorbar(image, ax=used, shrink=0.6, label="attention weight")
     if title is not None:
@@ -109,3 +113,28 @@ def plot_heads(weights, tokens=None, *, batch=0, path=None, heads=None, title=No
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
+
+
+def _every(n):
+    """The step between labelled ticks on an axis of n tokens: at most MAX_LABELS labels."""
+    return max(1, math.ceil(n / MAX_LABELS))
+
+
+def _check_heads(heads, n_heads):
+    """heads (None, an int, or ints) as a non-empty list of ints in [0, n_heads)."""
+    if heads is None:
+        return list(range(n_heads))
+    if isinstance(heads, numbers.Integral) and not isinstance(heads, (bool, np.bool_)):
+        heads = [heads]
+    try:
+        heads = list(heads)
+    except TypeError:
+        raise TypeError(f"heads must be an int or a list of ints; got {heads!r}") from None
+    if any(isinstance(h, (bool, np.bool_)) or not isinstance(h, numbers.Integral)
+           for h in heads):       # 1.7 was drawn as head 1, True as head 1
+        raise TypeError(f"heads must be an int or a list of ints; got {heads!r}")
+    heads = [int(h) for h in heads]
+    if not heads or any(not 0 <= h < n_heads for h in heads):
+        raise ValueError(f"heads must be a non-empty list of heads in [0, {n_heads}); got "
+                         f"{heads}")
+    return heads

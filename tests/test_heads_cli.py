@@ -28,6 +28,24 @@ def test_bad_layer_is_a_usage_error(capsys):
     assert exc.value.code == 2 and "--layer" in capsys.readouterr().err
 
 
+def test_out_is_checked_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """A missing folder or an unknown format failed with a traceback after the ~6 s model
+    load, and a name without an extension was printed without the .png matplotlib added."""
+    pytest.importorskip("matplotlib")
+
+    def never(layer=None):
+        raise AssertionError("the model was loaded before --out was checked")
+    monkeypatch.setattr(_minilm, "load_minilm", never)
+    for out, message in ((str(tmp_path), "is a directory"),
+                         (str(tmp_path / "nodir" / "x.png"), "does not exist"),
+                         (str(tmp_path / "x.unknownext"), "matplotlib writes no")):
+        with pytest.raises(SystemExit) as exc:
+            main_job.main(["heads", "A sentence.", "--out", out])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    args, _ = _heads_cli._parse_args(["hi", "--out", str(tmp_path / "noext")])
+    assert args.out == str(tmp_path / "noext") + ".png"
+
+
 def test_favourite_names_tokens_and_offsets():
     tokens = ["[CLS]", "a", "b", "c"]
     assert _heads_cli._favourite(np.array([0, 0, 0, 2]), tokens) == "'[CLS]' (75% of queries)"

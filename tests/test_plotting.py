@@ -66,6 +66,28 @@ def test_plot_heads_errors(rng):
         plotting.plot_heads(weights[0, 0])
     with pytest.raises(ValueError, match=r"heads in \[0, 2\)"):
         plotting.plot_heads(weights, heads=[2])
+    # 1.7 was drawn as head 1, an int raised "'int' object is not iterable", no heads divided
+    # by zero
+    for bad in ([1.7], [True], "1"):
+        with pytest.raises(TypeError, match="heads must be an int or a list of ints"):
+            plotting.plot_heads(weights, heads=bad)
+    with pytest.raises(ValueError, match="weights have no heads"):
+        plotting.plot_heads(np.zeros((1, 0, 3, 3)))
+
+
+def test_one_head_by_int_long_axes_and_non_finite_weights(rng):
+    pytest.importorskip("matplotlib")
+    weights = rng.random((1, 3, 4, 4))
+    assert len(plotting.plot_heads(weights, heads=2).axes) == 2       # the panel + colour bar
+    # 512 tokens drew a 1.9 Gpx picture: panels stop growing at MAX_LABELS tokens
+    n = 512
+    fig = plotting.plot_heads(np.full((1, 2, n, n), 1.0 / n))
+    assert (fig.get_size_inches() * 110).prod() < 40e6
+    assert len(fig.axes[0].get_xticks()) <= plotting.MAX_LABELS
+    # NaN / inf weights: the colour scale of the finite ones (it was (-0.1, 0.1))
+    w = np.full((1, 2, 3, 3), 0.25)
+    w[0, 0, 0, 0], w[0, 1, 1, 1] = np.nan, np.inf
+    assert plotting.plot_heads(w).axes[0].images[0].get_clim() == (0.0, 0.25)
 
 
 def test_a_clear_message_without_matplotlib(monkeypatch):
