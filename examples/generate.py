@@ -127,6 +127,18 @@ def main(argv=None):
                              "pays for thread start-up and first-touch page faults)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    for name in ("layers", "d_model", "heads", "kv_heads", "vocab", "prompts", "new_tokens",
+                 "repeats", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    if args.heads % args.kv_heads or args.d_model % args.heads:
+        parser.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads}), which "
+                     f"must divide --d-model ({args.d_model})")
+    args.cache_dtypes = args.cache_dtypes.split(",")
+    bad = [n for n in args.cache_dtypes if n not in ("float32", "float16", "int8")]
+    if bad:
+        parser.error(f"--cache-dtypes takes float32, float16 and int8; got {bad}")
 
     model = ToyDecoder(args.vocab, args.d_model, args.heads, args.kv_heads, args.layers)
     rng = np.random.default_rng(1)
@@ -134,7 +146,8 @@ def main(argv=None):
     prompts = [rng.integers(0, args.vocab, int(n))
                for n in np.linspace(3, 40, args.prompts).astype(int)]
     progress = None if args.no_progress else _progress_bar()
-    n_prompt, n_new = sum(len(p) for p in prompts), args.prompts * args.new_tokens
+    # the prefill's logits give each sequence its first new token: the steps decode the rest
+    n_prompt, n_new = sum(len(p) for p in prompts), args.prompts * (args.new_tokens - 1)
     print(f"{args.layers} layers, d_model {args.d_model}, {args.heads} query / {args.kv_heads} "
           f"K/V heads, RoPE; {args.prompts} prompts ({n_prompt} tokens, ragged), "
           f"{args.new_tokens} new tokens each; mha_cy threads: "
@@ -151,7 +164,7 @@ def _compare(model, prompts, args, progress, n_prompt, n_new):
     rows = [("numpy baseline", t_pre, t_gen, baseline)]
     with mha_cy.threads(args.threads):
         attention = model.attention_modules(mha_cy)
-        for name in args.cache_dtypes.split(","):
+        for name in args.cache_dtypes:
             cache_dtype = name if name == "int8" else np.dtype(name)
             if cache_dtype == np.float32:
                 cache_dtype = None                    # the module's own dtype
@@ -166,8 +179,8 @@ def _compare(model, prompts, args, progress, n_prompt, n_new):
     print(f"{'':24} {'prefill tok/s':>14} {'generate tok/s':>15} {'same tokens':>12}")
     for label, t_pre, t_gen, tokens in rows:
         same = int((tokens == baseline).sum())
-        print(f"{label:24} {n_prompt / t_pre:14.0f} {n_new / t_gen:15.0f} "
-              f"{same:>6}/{baseline.size}")
+        gen = f"{n_new / t_gen:15.0f}" if n_new else f"{'-':>15}"   # --new-tokens 1: no step
+        print(f"{label:24} {n_prompt / t_pre:14.0f} {gen} {same:>6}/{baseline.size}")
     return rows
 
 

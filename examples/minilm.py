@@ -125,6 +125,9 @@ def main(argv=None):
                         help="cpu: the process's CPU time (steadier on a busy machine; with one "
                              "thread it equals the wall time of an idle machine)")
     args = parser.parse_args(argv)
+    for name in ("threads", "batch", "repeats"):    # checked before the model loads
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
 
     original, dropin = load_models()
     cosines = agreement(original, dropin)

@@ -29,6 +29,23 @@ def test_generation_matches_the_numpy_baseline(capsys):
     assert "generate tok/s" in out and "18/18" in out
 
 
+def test_generation_rate_counts_only_the_stepped_tokens(capsys):
+    """The first new token comes from the prefill: with --new-tokens 1 no step runs (the
+    rate printed was 2.3 million tok/s), and bad options are usage errors."""
+    example = _example()
+    example.main(["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
+                  "--prompts", "2", "--new-tokens", "1", "--repeats", "1", "--no-progress",
+                  "--cache-dtypes", "int8"])
+    row = [line for line in capsys.readouterr().out.splitlines()
+           if line.startswith("mha_cy, int8 cache")][0]
+    assert row.split()[-2] == "-"
+    import pytest
+    for bad in (["--new-tokens", "0"], ["--prompts", "0"], ["--kv-heads", "3"],
+                ["--cache-dtypes", "bogus"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            example.main(bad)
+
+
 def test_prompts_of_different_lengths_each_follow_their_own_positions():
     """A sequence generates the same tokens alone as inside the ragged batch."""
     example = _example()
