@@ -197,10 +197,10 @@ class MultiHeadAttentionBase:
     def _setup(self, num_heads, num_kv_heads, dtype, qw, kw, vw, ow, qb, kb, vb, ob):
         """Store copies of the weights. When kdim == vdim == embed_dim, the q/k/v weights (and
         biases) are views into one packed array, so that self-attention needs one GEMM."""
-        self.num_heads, self.num_kv_heads, self.dtype = num_heads, num_kv_heads, dtype
+        self._num_heads, self._num_kv_heads, self._dtype = num_heads, num_kv_heads, dtype
         self._kv_index = None     # uneven groups only (prune_heads): K/V head of each query head
-        self.head_dim = qw.shape[0] // num_heads
-        self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
+        self._head_dim = qw.shape[0] // num_heads
+        self._embed_dim, self._kdim, self._vdim = qw.shape[1], kw.shape[1], vw.shape[1]
         rows = np.cumsum([0, qw.shape[0], kw.shape[0], vw.shape[0]])
         if self.kdim == self.vdim == self.embed_dim:
             self._in_proj_weight = np.concatenate([qw, kw, vw]).astype(dtype, order="C")
@@ -223,6 +223,15 @@ class MultiHeadAttentionBase:
     # The parameters, read-only attributes: edit them in place (they are views into the packed
     # arrays) or build a new module with from_weights. Assigning a new packed array would have
     # left the q/k/v views on the old one: the cross-attention path read stale weights.
+    # The geometry, read-only too: `mha.num_heads = 2` was accepted and the next call failed
+    # deep in a kernel ("linear_heads: inconsistent shapes"). prune_heads makes fewer heads.
+    num_heads = property(lambda self: self._num_heads)
+    num_kv_heads = property(lambda self: self._num_kv_heads)
+    head_dim = property(lambda self: self._head_dim)
+    embed_dim = property(lambda self: self._embed_dim)
+    kdim = property(lambda self: self._kdim)
+    vdim = property(lambda self: self._vdim)
+    dtype = property(lambda self: self._dtype)
     in_proj_weight = property(lambda self: self._in_proj_weight)   # None unless kdim == vdim
     in_proj_bias = property(lambda self: self._in_proj_bias)       # == embed_dim
     q_weight = property(lambda self: self._q_weight)

@@ -418,8 +418,9 @@ def getstate(module):
 
 
 # Attributes that became read-only properties, under the names pickles made before keep them.
-_RENAMED = {"in_proj_weight": "_in_proj_weight", "in_proj_bias": "_in_proj_bias",
-            "window": "_window"}
+_RENAMED = {name: "_" + name for name in (
+    "in_proj_weight", "in_proj_bias", "window", "num_heads", "num_kv_heads", "head_dim",
+    "embed_dim", "kdim", "vdim", "dtype")}
 
 
 def setstate(module, state):

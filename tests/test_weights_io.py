@@ -504,6 +504,11 @@ def test_packed_weights_cannot_be_replaced(cls):
     for name in ("in_proj_weight", "in_proj_bias", "q_weight", "out_bias"):
         with pytest.raises(AttributeError):
             setattr(mha, name, np.zeros_like(getattr(mha, name)))
+    # the geometry too: num_heads = 2 was accepted and the next call failed inside a kernel
+    for name, value in (("num_heads", 2), ("num_kv_heads", 2), ("head_dim", 8),
+                        ("embed_dim", 8), ("kdim", 8), ("vdim", 8), ("dtype", np.float64)):
+        with pytest.raises(AttributeError):
+            setattr(mha, name, value)
     mha.in_proj_weight[:] = 0.25
     assert (mha.q_weight == 0.25).all() and (mha.v_weight == 0.25).all()
 
@@ -539,8 +544,10 @@ def test_pickles_with_the_old_attribute_names_still_load():
     and checks the window."""
     mha = MHA(16, 4, seed=0, window=3)
     state = mha.__getstate__()
-    old = {name.lstrip("_") if name in ("_in_proj_weight", "_in_proj_bias", "_window")
-           else name: value for name, value in state.items()}
+    renamed = ("_in_proj_weight", "_in_proj_bias", "_window", "_num_heads", "_num_kv_heads",
+               "_head_dim", "_embed_dim", "_kdim", "_vdim", "_dtype")
+    old = {name.lstrip("_") if name in renamed else name: value
+           for name, value in state.items()}
     old["__views__"] = {name: (owner.lstrip("_") if owner == "_in_proj_weight" else owner,
                                *where) for name, (owner, *where) in state["__views__"].items()}
     assert "in_proj_weight" in old and "_in_proj_weight" not in old
