@@ -19,6 +19,8 @@ def _check_heads(heads, num_heads):
     if isinstance(heads, numbers.Integral) and not isinstance(heads, (bool, np.bool_)):
         raise TypeError(f"heads must be a sequence of head indices (e.g. [{heads}]); got the "
                         f"int {heads}")
+    if isinstance(heads, (set, frozenset)):     # a natural way to name heads; sorted below
+        heads = sorted(heads)
     try:
         arr = np.asarray(heads)
     except Exception as exc:

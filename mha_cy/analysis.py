@@ -61,8 +61,9 @@ def head_stats(weights, key_padding_mask=None):
                              f"key_len); weights have query_len {q_len}, key_len {k_len}")
         expected = (k_len,) if unbatched else (batch, k_len)
         if pad.shape != expected:
-            raise ValueError(f"key_padding_mask must have shape {expected} (the weights' batch, "
-                             f"key_len); got {pad.shape}")
+            what = "key_len: the weights are unbatched" if unbatched else "batch, key_len"
+            raise ValueError(f"key_padding_mask must have shape {expected} ({what}); got "
+                             f"{pad.shape}")
         valid = ~pad.reshape(batch, 1, k_len)
     count = valid.sum(axis=-1)
 
@@ -104,6 +105,10 @@ def rank_heads(mha, query, key=None, value=None, *, key_padding_mask=None, attn_
     copies = heads + 1
     query = as_array(query, "query")
     unbatched = query.ndim == 2
+    for name, arr in (("key", key), ("value", value)):     # before the tiling reshapes them
+        if arr is not None and np.ndim(arr) != query.ndim:
+            raise ValueError(f"{name} must be {query.ndim}-D like query; got shape "
+                             f"{np.shape(arr)}")
     if unbatched:                        # one sequence: a batch of one, like the call does
         query = query[None]
         key = None if key is None else as_array(key, "key")[None]

@@ -168,3 +168,16 @@ def test_rank_heads_of_a_pruned_module(rng):
 
 def test_analysis_is_reachable_from_the_package():
     assert mha_cy.analysis.head_stats is analysis.head_stats
+
+
+def test_messages_name_what_the_user_passed(rng):
+    """rank_heads named the shape it tiled internally ((5, 1, 7, 16) for a 2-D query with a
+    3-D key) and head_stats spoke of a batch the unbatched weights do not have."""
+    mha = mha_cy.MultiHeadAttention(16, 4, seed=0)
+    x = rng.standard_normal((7, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"key must be 2-D like query; got shape \(1, 7, 16\)"):
+        analysis.rank_heads(mha, x, x[None])
+    with pytest.raises(ValueError, match=r"value must be 3-D like query; got shape \(7, 16\)"):
+        analysis.rank_heads(mha, x[None], x[None], x)
+    with pytest.raises(ValueError, match=r"\(5,\) \(key_len: the weights are unbatched\)"):
+        analysis.head_stats(np.full((4, 5, 5), 0.2), key_padding_mask=np.zeros((1, 5), bool))

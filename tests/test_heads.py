@@ -333,3 +333,14 @@ def test_pruning_a_cross_attention_module_without_bias(rng, cls):
     assert small.out_bias is None and (small.kdim, small.vdim) == (12, 20)
     x, k, v = (rng.standard_normal((2, n, e)) for n, e in ((5, 32), (6, 12), (6, 20)))
     assert_close(small(x, k, v), mha(x, k, v, head_mask=np.array([1.0, 0.0, 1.0, 1.0])))
+
+
+def test_prune_heads_takes_a_set(rng):
+    """A set was refused as 'not a 1-D sequence of ints'; it names heads naturally."""
+    mha = mha_cy.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    by_set, by_list = mha.prune_heads({3, 0}), mha.prune_heads([0, 3])
+    assert by_set.num_heads == 2
+    assert np.array_equal(by_set(x), by_list(x))
+    with pytest.raises(ValueError):
+        mha.prune_heads({0, 1, 2, 3})           # all of them
