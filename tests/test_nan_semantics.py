@@ -7,18 +7,11 @@ import numpy as np
 import pytest
 
 import mha_cy
-from mha_cy import _attention_kernel, reference
+from mha_cy import reference
 
 from conftest import DTYPES, assert_close
 
 SDPA = mha_cy.scaled_dot_product_attention
-
-
-@pytest.fixture(params=["fused", "blas"])
-def tile_kernel(request):
-    previous = _attention_kernel._set_tile_kernel(request.param)
-    yield request.param
-    _attention_kernel._set_tile_kernel(previous)
 
 
 def assert_same_nans_and_values(actual, expected, dtype):

@@ -22,18 +22,11 @@ import numpy as np
 import pytest
 
 import mha_cy
-from mha_cy import _attention_kernel, reference
+from mha_cy import reference
 
 SDPA = mha_cy.scaled_dot_product_attention
 REF = reference.scaled_dot_product_attention
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
-
-
-@pytest.fixture(params=["fused", "blas"])
-def tile_kernel(request):
-    previous = _attention_kernel._set_tile_kernel(request.param)
-    yield request.param
-    _attention_kernel._set_tile_kernel(previous)
 
 
 def assert_matches(actual, expected, tol):
