@@ -227,7 +227,9 @@ def cache_format_gain(by_workload: dict) -> str | None:
                              f"(bytes allow {b['bytes'] / r['bytes']:.2f}×)")
     if not parts:
         return None
-    return "Step speedup over the float32 cache (median): " + ", ".join(parts) + "."
+    return ("Step speedup over the float32 cache (median): " + ", ".join(parts) + ". The suite "
+            "times these workloads minutes apart, while the host's memory bandwidth moves; "
+            "`benchmarks/cache_formats_interleaved.py` times the three steps in turn.")
 
 
 # A line under a workload's table that compares it with another workload.
