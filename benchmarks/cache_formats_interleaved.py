@@ -31,13 +31,10 @@ NAMES = ("decode_cache_f32", "decode_cache_f16", "decode_cache_int8")
 WARMUP_ROUNDS = 16
 
 
-def prepared_copies(name: str, threads: int) -> list:
-    """The suite's mha_cy step over ``copies_beyond_l3`` prefilled caches of workload ``name``."""
-    w = workloads.get(name)
-    data = workloads.make_data(name)
+def rotating_step(name: str, threads: int) -> implementations.Prepared:
+    """The suite's mha_cy step of workload ``name``, each call over the next of its caches."""
     impl = implementations.IMPLEMENTATIONS["mha_cy"]
-    n = roof.copies_beyond_l3(w.bytes, minimum=w.layers)
-    return [impl.prepare(w, data, threads) for _ in range(n)]
+    return implementations.rotating(workloads.get(name), impl, workloads.make_data(name), threads)
 
 
 def main(argv=None) -> None:
@@ -50,11 +47,10 @@ def main(argv=None) -> None:
 
     with implementations.thread_limits(args.threads):
         roof_before = roof.read_gbps(args.threads)
-        copies = {name: prepared_copies(name, args.threads) for name in NAMES}
+        steps = {name: rotating_step(name, args.threads) for name in NAMES}
         times = {name: [] for name in NAMES}
         for r in range(WARMUP_ROUNDS + args.rounds):
-            for name in NAMES:
-                step = copies[name][r % len(copies[name])]
+            for name, step in steps.items():
                 call_args, kwargs = step.setup()
                 t0 = time.perf_counter()
                 step.run(*call_args, **kwargs)

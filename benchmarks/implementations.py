@@ -36,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import itertools
 import statistics
 import sys
 import time
@@ -46,6 +47,7 @@ import threadpoolctl
 
 import mha_cy
 import mha_cy.reference
+import roof
 
 # Peers are imported here, at collection time, before any thread limit is entered, so that
 # threadpoolctl sees their BLAS/OpenMP libraries.
@@ -119,6 +121,30 @@ def _fastest(variants: list) -> Prepared:
     if len(timed) > 1:
         best.notes += "; fastest of " + ", ".join(f"{label} {t * 1e3:.3g} ms" for t, label, _ in timed)
     return best
+
+
+def rotating(w, impl, data, threads):
+    """Copies of the prepared call, each over its own K/V (sdpa: copies of the same values, so
+    every copy gives the baseline's output) or its own prefilled cache (decode); each timed call
+    takes the next copy. w.layers copies at least, and enough that the calls read BEYOND_L3
+    times this machine's L3 in a round (8 x 64 MiB is 16 x the L3 of an EPYC, 1.1 x a Xeon's)."""
+    n = roof.copies_beyond_l3(w.bytes, minimum=w.layers)
+    copies = [impl.prepare(w, {**data, "k": data["k"].copy(), "v": data["v"].copy()}
+                           if w.kind == "sdpa" else data, threads)
+              for _ in range(n)]
+    first = copies[0]
+    order = itertools.cycle(range(n))
+    notes = f"{first.notes}; {n} copies in turn ({n * w.bytes / 2 ** 20:.0f} MiB read per round)"
+    if first.setup is None:
+        return Prepared(lambda: copies[next(order)].run(),
+                        to_numpy=first.to_numpy, notes=notes)
+
+    def setup():
+        i = next(order)
+        args, kwargs = copies[i].setup()
+        return (i, *args), kwargs
+    return Prepared(lambda i, *args, **kwargs: copies[i].run(*args, **kwargs),
+                    setup=setup, to_numpy=first.to_numpy, notes=notes)
 
 
 class Implementation:

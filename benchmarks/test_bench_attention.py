@@ -7,7 +7,6 @@ Run ``pytest benchmarks/`` (the root configuration's testpaths keep it out of th
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -48,32 +47,8 @@ def _prepared(w, impl, threads):
     if key not in _PREPARED:
         data = make_data(w.name)
         _PREPARED[key] = (impl.prepare(w, data, threads) if w.layers == 1
-                          else _rotating(w, impl, data, threads))
+                          else implementations.rotating(w, impl, data, threads))
     return _PREPARED[key]
-
-
-def _rotating(w, impl, data, threads):
-    """Copies of the prepared call, each over its own K/V (sdpa: copies of the same values, so
-    every copy gives the baseline's output) or its own prefilled cache (decode); each timed call
-    takes the next copy. w.layers copies at least, and enough that the calls read BEYOND_L3
-    times this machine's L3 in a round (8 x 64 MiB is 16 x the L3 of an EPYC, 1.1 x a Xeon's)."""
-    n = roof.copies_beyond_l3(w.bytes, minimum=w.layers)
-    copies = [impl.prepare(w, {**data, "k": data["k"].copy(), "v": data["v"].copy()}
-                           if w.kind == "sdpa" else data, threads)
-              for _ in range(n)]
-    first = copies[0]
-    order = itertools.cycle(range(n))
-    notes = f"{first.notes}; {n} copies in turn ({n * w.bytes / 2 ** 20:.0f} MiB read per round)"
-    if first.setup is None:
-        return implementations.Prepared(lambda: copies[next(order)].run(),
-                                        to_numpy=first.to_numpy, notes=notes)
-
-    def setup():
-        i = next(order)
-        args, kwargs = copies[i].setup()
-        return (i, *args), kwargs
-    return implementations.Prepared(lambda i, *args, **kwargs: copies[i].run(*args, **kwargs),
-                                    setup=setup, to_numpy=first.to_numpy, notes=notes)
 
 
 def _baseline(w, threads):
