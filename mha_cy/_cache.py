@@ -4,6 +4,7 @@ import threading
 
 import numpy as np
 
+from ._aligned_arrays import copy_lines, on_lines, zeros_lines
 from ._cache_formats import FloatFormat
 from ._checks import float_dtype, positive_int
 
@@ -26,6 +27,13 @@ def _int_per_sequence(value, batch, name):
     if arr.dtype.kind == "u" and (arr > int64.max).any():    # would wrap to negative ints
         raise ValueError(f"{name} is out of range; got {arr[arr > int64.max][0]}")
     return arr.astype(np.int64)
+
+
+# The storage arrays, each allocated on a cache line (_aligned_arrays): at NumPy's 16-byte
+# offset the decode kernels' rows straddle one line more each. Zen 4, 1 thread, the kernel
+# over the same float16 values (B4, 8 K/V heads, 2048 keys, D 128, 6 caches in turn): 2.49-2.54
+# ms on a line, 2.81-2.87 ms at the 16-byte offset.
+_STORAGE = ("key", "value", "key_scale", "value_scale")
 
 
 class KVCache:
@@ -65,17 +73,17 @@ class KVCache:
             (head_dim, "head_dim")))
         self._format = fmt
         try:
-            self.key = np.zeros(shape, dtype=fmt.dtype)
+            self.key = zeros_lines(shape, fmt.dtype)
         except ValueError:      # NumPy's "array is too big" names no argument
             raise ValueError(
                 f"a KV cache of batch_size={shape[0]}, num_kv_heads={shape[1]}, "
                 f"max_len={shape[2]}, head_dim={shape[3]} ({fmt.dtype}) is too large to "
                 "allocate") from None
-        self.value = np.zeros(shape, dtype=fmt.dtype)
+        self.value = zeros_lines(shape, fmt.dtype)
         self.key_scale = self.value_scale = None
         if fmt.has_scales:
-            self.key_scale = np.zeros(shape[:3], dtype=np.float32)
-            self.value_scale = np.zeros(shape[:3], dtype=np.float32)
+            self.key_scale = zeros_lines(shape[:3], np.float32)
+            self.value_scale = zeros_lines(shape[:3], np.float32)
         self._set_lengths(np.zeros(batch_size, dtype=np.int64))
         self._guard = threading.RLock()
 
@@ -96,6 +104,9 @@ class KVCache:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        for name in _STORAGE:       # unpickled arrays start wherever malloc put them
+            if getattr(self, name, None) is not None:
+                setattr(self, name, on_lines(getattr(self, name)))
         self._guard = threading.RLock()
 
     def _set_lengths(self, lengths):
@@ -223,7 +234,7 @@ class KVCache:
         """The storage arrays (key, value and the int8 scales), or ValueError naming the first
         read-only one: checked before any write, so that the cache stays as it was."""
         arrays = []
-        for name in ("key", "value", "key_scale", "value_scale"):
+        for name in _STORAGE:
             a = getattr(self, name)
             if a is None:
                 continue
@@ -238,7 +249,8 @@ class KVCache:
         guard = self._claim()       # not torn by a call writing meanwhile
         try:
             new = object.__new__(type(self))
-            new.__setstate__({name: value.copy() if isinstance(value, np.ndarray) else value
+            new.__setstate__({name: (copy_lines(value) if name in _STORAGE else value.copy())
+                              if isinstance(value, np.ndarray) else value
                               for name, value in self.__getstate__().items()})
         finally:
             guard.release()

@@ -72,3 +72,43 @@ def test_value_rows_off_cache_lines_give_the_same_bits(dtype, dv, non_finite):
         tol = 1e-5 if dtype == np.float32 else 1e-12
         np.testing.assert_allclose(on_line, reference.scaled_dot_product_attention(q, k, v),
                                    rtol=tol, atol=tol)
+
+
+def _storage(cache):
+    return [getattr(cache, n) for n in ("key", "value", "key_scale", "value_scale")
+            if getattr(cache, n) is not None]
+
+
+@pytest.mark.parametrize("cache_dtype", [None, np.float16, "int8"])
+def test_kv_cache_storage_starts_on_lines_through_copy_pickle_and_reorder(cache_dtype):
+    import pickle
+    m = mha_cy.MultiHeadAttention(32, 4, num_kv_heads=2, seed=0)
+    cache = (m.new_cache(3, 40) if cache_dtype is None
+             else m.new_cache(3, 40, dtype=cache_dtype))
+    m(np.random.default_rng(0).standard_normal((3, 5, 32)).astype(np.float32), cache=cache)
+    cache.reorder([2, 0, 0])
+    for c in (cache, cache.copy(), pickle.loads(pickle.dumps(cache))):
+        for a in _storage(c):
+            assert _address(a) % CACHE_LINE_BYTES == 0 and a.flags.c_contiguous
+            assert a.flags.writeable
+        for a, b in zip(_storage(c), _storage(cache)):
+            assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, np.float16, "int8"])
+def test_kv_cache_off_lines_gives_the_same_bits(cache_dtype):
+    # storage a user put 16 bytes past a line (NumPy's malloc offset) reads the same values
+    m = mha_cy.MultiHeadAttention(64, 8, num_kv_heads=2, head_dim=32, seed=1)
+    rng = np.random.default_rng(2)
+    prompt = rng.standard_normal((2, 30, 64)).astype(np.float32)
+    step = rng.standard_normal((2, 1, 64)).astype(np.float32)
+    cache = (m.new_cache(2, 31) if cache_dtype is None
+             else m.new_cache(2, 31, dtype=cache_dtype))
+    m(prompt, cache=cache)
+    off = cache.copy()
+    for name in ("key", "value", "key_scale", "value_scale"):
+        if getattr(off, name) is not None:
+            setattr(off, name, _at_offset(getattr(off, name), 16))
+    assert _address(off.key) % CACHE_LINE_BYTES == 16
+    assert np.array_equal(m(step, cache=off), m(step, cache=cache))
+    assert np.array_equal(off.key, cache.key) and np.array_equal(off.value, cache.value)
