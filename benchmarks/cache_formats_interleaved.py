@@ -15,7 +15,6 @@ speedups over float32: of the medians, and the median of the per-round ratios.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import implementations  # noqa: E402
 import roof  # noqa: E402
+import script_args  # noqa: E402
 import workloads  # noqa: E402
 
 NAMES = ("decode_cache_f32", "decode_cache_f16", "decode_cache_int8")
@@ -38,12 +38,7 @@ def rotating_step(name: str, threads: int) -> implementations.Prepared:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=300, help="timed rounds (default 300)")
-    p.add_argument("--threads", type=int, default=2, help="threads (default 2)")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1:
-        p.error(f"--rounds and --threads must be >= 1, got {args.rounds} and {args.threads}")
+    args = script_args.rounds_and_threads(argv, __doc__, rounds=300, threads=2)
 
     with implementations.thread_limits(args.threads):
         roof_before = roof.read_gbps(args.threads)

@@ -14,13 +14,18 @@ Run it in user mode as the report does (``env -u OPENBLAS_CORETYPE -u OPENBLAS_L
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
 import mha_cy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import script_args  # noqa: E402
 
 DTYPES = ("float32", "float16", "int8")
 SHORT, LONG = 256, 768
@@ -45,12 +50,8 @@ def prepared_step(dtype: str, cached: int):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=1, help="threads (default 1)")
-    p.add_argument("--rounds", type=int, default=400, help="timed calls per point (default 400)")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1:
-        p.error(f"--rounds and --threads must be >= 1, got {args.rounds} and {args.threads}")
+    args = script_args.rounds_and_threads(argv, __doc__, rounds=400, threads=1,
+                                          rounds_help="timed calls per point")
     print(f"{args.threads} thread(s); {HEADS} query heads over {KV_HEADS} K/V heads, D "
           f"{HEAD_DIM}; steps over {SHORT} and {LONG} cached tokens")
     points = [(dtype, n) for dtype in DTYPES for n in (SHORT, LONG)]
