@@ -6,6 +6,7 @@ import pytest
 import mha_cy
 from mha_cy import attention, reference
 from mha_cy._aligned_arrays import CACHE_LINE_BYTES, empty_lines
+from mha_cy._cache import _STORAGE
 
 
 def _address(a):
@@ -75,8 +76,7 @@ def test_value_rows_off_cache_lines_give_the_same_bits(dtype, dv, non_finite):
 
 
 def _storage(cache):
-    return [getattr(cache, n) for n in ("key", "value", "key_scale", "value_scale")
-            if getattr(cache, n) is not None]
+    return [getattr(cache, n) for n in _STORAGE if getattr(cache, n) is not None]
 
 
 @pytest.mark.parametrize("cache_dtype", [None, np.float16, "int8"])
@@ -106,7 +106,7 @@ def test_kv_cache_off_lines_gives_the_same_bits(cache_dtype):
              else m.new_cache(2, 31, dtype=cache_dtype))
     m(prompt, cache=cache)
     off = cache.copy()
-    for name in ("key", "value", "key_scale", "value_scale"):
+    for name in _STORAGE:
         if getattr(off, name) is not None:
             setattr(off, name, _at_offset(getattr(off, name), 16))
     assert _address(off.key) % CACHE_LINE_BYTES == 16
