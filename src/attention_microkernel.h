@@ -114,9 +114,10 @@ void mha_fused_attend_f64(const double *q, ptrdiff_t q_rs, int rows, int d,
  * rows (see the crossover above). */
 #define MHA_FUSED_DIRECT_MAX_ROWS 8
 #define MHA_FUSED_DIRECT_MIN_HEAD_DIM 32   /* (tasks of one row: any head dim) */
-/* How many keys ahead the decode kernels (this one and kv_format.h's) prefetch K and V rows
- * into L2; at most a tile (64 float32 / 32 float64 keys). The measurements are at
- * attention_microkernel_impl.h's prefetch_row_. */
+/* How many keys ahead the decode kernels prefetch K and V rows into L2; at most a tile (64
+ * float32 / 32 float64 keys). The measurements are at attention_microkernel_impl.h's
+ * prefetch_row_. kv_format.h's kernels go as many bytes ahead as 16 float32 keys of head dim
+ * 128, so more of their narrower keys (kv_prefetch_keys_ in kv_format_impl.h). */
 #define MHA_DECODE_PREFETCH_KEYS 16
 void mha_fused_attend_direct_f32(const float *q, ptrdiff_t q_rs, int rows, int d,
                                  const float *k, ptrdiff_t k_rs, const float *v, ptrdiff_t v_rs,

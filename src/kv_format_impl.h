@@ -157,10 +157,10 @@ static inline __attribute__((always_inline)) VECP FN(kv_loadp_tail_)(const int f
 #define kv_reducep_ kv_reduce_
 #endif
 
-/* Into L2 (prefetcht1), MHA_DECODE_PREFETCH_KEYS keys ahead, as attention_microkernel_impl.h's
- * prefetch_row_ does, and why. Zen 4, 2 threads, decode_cache_* (8 rotated caches), medians
- * of 3 interleaved runs, a tile ahead -> 16 keys: float16 2.43 -> 2.10 ms, int8 1.78 -> 1.90
- * (noise: runs spread 0.3 ms). */
+/* Into L2 (prefetcht1), as attention_microkernel_impl.h's prefetch_row_ does, and why; how
+ * far ahead: kv_prefetch_keys_. (Zen 4, 2 threads, decode_cache_*, medians of 3 interleaved
+ * runs, a tile ahead -> 16 keys: float16 2.43 -> 2.10 ms, int8 1.78 -> 1.90: the int8 loss,
+ * then read as noise, is what kv_prefetch_keys_ gives back.) */
 static inline __attribute__((always_inline)) void FN(kv_prefetch_)(const char *x, ptrdiff_t bytes)
 {
 #pragma GCC unroll 4
@@ -194,15 +194,31 @@ FN(kv_times_)(float *s, const float *ks, float scale, int n)
         s[j] *= scale * ks[j];
 }
 
-/* kv_scores_'s prefetches for its block of KB keys from key c: the K rows
- * MHA_DECODE_PREFETCH_KEYS keys ahead (those below n_avail: the tile's and the next tile's),
- * and on a task's `first` tile the V rows too (esz: bytes per stored value). */
+/* How many keys ahead kv_scores_ prefetches: MHA_KV_PREFETCH_BYTES of K rows (the float32
+ * kernel's 16 keys at head dim 128), at least MHA_DECODE_PREFETCH_KEYS, at most a tile. A lead
+ * counted in keys shrinks with the stored format: 16 int8 keys of 128 are 2 KiB, under 0.3 us
+ * of this kernel, too little for DRAM's latency under load. Zen 4, decode_cache_* (8 rotated
+ * caches, 2 threads), the three formats interleaved (cache_formats_interleaved.py), one build
+ * with the lead read at run time, 6 runs of 100 rounds each: int8 at 16 keys 0.905-1.069 ms,
+ * at 32 0.932-0.993, at 64 (8 KiB) 0.819-0.947; float16 at 16 keys 1.194-1.451, at 32 (8 KiB)
+ * 1.236-1.373 (within the noise). */
+#define MHA_KV_PREFETCH_BYTES 8192
+static inline __attribute__((always_inline)) ptrdiff_t FN(kv_prefetch_keys_)(ptrdiff_t esz,
+                                                                             int d)
+{
+    ptrdiff_t keys = MHA_KV_PREFETCH_BYTES / (esz * (d > 0 ? d : 1));
+    return keys < MHA_DECODE_PREFETCH_KEYS ? MHA_DECODE_PREFETCH_KEYS : keys > NK ? NK : keys;
+}
+
+/* kv_scores_'s prefetches for its block of KB keys from key c: the K rows kv_prefetch_keys_
+ * ahead (those below n_avail: the tile's and the next tile's), and on a task's `first` tile
+ * the V rows too (esz: bytes per stored value). */
 static inline __attribute__((always_inline)) void
 FN(kv_prefetch_ahead_)(const ptrdiff_t esz, const void *k, ptrdiff_t k_rs, int d,
                        const void *pf_v, ptrdiff_t v_rs, int dv, ptrdiff_t c, const int KB,
                        ptrdiff_t n_avail, const int first)
 {
-    const ptrdiff_t ahead = MHA_DECODE_PREFETCH_KEYS + c;
+    const ptrdiff_t ahead = FN(kv_prefetch_keys_)(esz, d) + c;
     const char *pv = (const char *)pf_v + ahead * v_rs * esz;
     const char *pk = (const char *)k + ahead * k_rs * esz;
     if (v_rs == dv && k_rs == d && dv == d && ahead + KB <= n_avail) {
@@ -233,7 +249,7 @@ FN(kv_prefetch_ahead_)(const ptrdiff_t esz, const void *k, ptrdiff_t k_rs, int d
  * load. Intel Xeon, decode_cache_* shapes, min of 2 interleaved runs, 256 -> 512-bit: from L3
  * (2 caches), 1 thread: float16 3.64 -> 3.40 ms, int8 2.90 -> 2.42; from DRAM (24 caches),
  * 2 threads: float16 2.41 -> 2.26, int8 1.93 -> 1.82. With pf_v: prefetch the K rows
- * MHA_DECODE_PREFETCH_KEYS ahead (those that exist: nk_next, the next tile's keys), and on a
+ * kv_prefetch_keys_ ahead (those that exist: nk_next, the next tile's keys), and on a
  * task's `first` tile the V rows too (pf_v: this tile's V; esz: bytes per stored value); the
  * later tiles' V rows come from kv_pv_panel_ of the tile before (direct_scores_ in
  * attention_microkernel_impl.h says why, with figures). */
