@@ -187,6 +187,10 @@ def workload_caption(workload: str, rows: list) -> str:
             roof_txt += (f"; roof {fmt_time(work / (rate * 1e9))} at {rate:.0f} "
                          f"{'GB/s' if memory else 'GFLOP/s'}" + (f" ({t} thread{'s' if t > 1 else ''})"
                                                                  if len(roofs) > 1 else ""))
+    near = next((row["read_gbps_near"] for row in sorted(rows, key=_impl_key) if row.get("read_gbps_near")),
+                None)
+    if memory and near:
+        roof_txt += f" (read measured again as this workload began: {near:.0f} GB/s)"
     shape = f"B={r['B']}, Lq={r['Lq']}, Lk={r['Lk']}, Hq={r['Hq']}, Hkv={r['Hkv']}, D={r['D']}"
     if r.get("kind") != "sdpa":
         shape += f", d_model={r['E']}"

@@ -98,6 +98,15 @@ def read_gbps(threads: int, nbytes: int | None = None) -> float:
     return src.nbytes / t / 1e9
 
 
+@functools.lru_cache(maxsize=None)
+def read_gbps_near(threads: int, workload: str) -> float:
+    """read_gbps measured again when ``workload`` begins (once per workload and thread count).
+    A shared host's bandwidth moves within minutes (np.max over 1 GiB, 2 threads, Zen 4: 27-41
+    GB/s within one minute, 52 at the start of a run whose decode steps then read 28), so a
+    memory-bound workload is also set against the roof of its own moment."""
+    return round(read_gbps(threads), 1)
+
+
 def copy_gbps(threads: int, nbytes: int | None = None) -> float:
     nbytes = nbytes or _streamed_nbytes(256 * 2 ** 20)
     src = np.ones(nbytes // 4, np.float32)

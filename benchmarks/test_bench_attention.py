@@ -100,6 +100,8 @@ def test_attention(benchmark, case, request):
         benchmark.extra_info.update(
             workload=w.name, implementation=impl.name, threads=threads, notes=prepared.notes,
             roof=roof.measure(threads), **w.info())
+        if w.bound == "memory":
+            benchmark.extra_info["read_gbps_near"] = roof.read_gbps_near(threads, w.name)
         run = _maybe_slowed(prepared.run, impl.name)
         # Let the previous implementation's thread pools stop spinning (OpenBLAS workers spin for
         # up to ~0.1 s after a call) so they don't steal a core from this one's first rounds.
