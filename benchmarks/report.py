@@ -19,7 +19,9 @@ The suite runs in a subprocess whose environment lacks OPENBLAS_CORETYPE and OPE
 user's machine has no such variables; the report prints the kernels that ran (scipy's OpenBLAS,
 the one mha_cy calls, and numpy's). ``--default-env`` then also runs the attention-only
 workloads (``DEFAULT_ENV_WORKLOADS``) with the environment untouched, to show what the
-variables cost on this machine.
+variables cost on this machine. When the suite ran the decode_cache_* workloads, the report
+ends with ``cache_formats_interleaved.py``'s output (run right after, in user mode too): the
+float16 / int8 steps' speedups over float32 from the same moments.
 """
 
 from __future__ import annotations
@@ -233,8 +235,12 @@ def cache_format_gain(by_workload: dict) -> str | None:
         return None
     return ("Step speedup over the float32 cache (median): " + ", ".join(parts) + ". The suite "
             "times these workloads minutes apart, while the host's memory bandwidth moves; "
-            "`benchmarks/cache_formats_interleaved.py` times the three steps in turn.")
+            "`benchmarks/cache_formats_interleaved.py` times the three steps in turn (its output ends "
+            "this report when the suite ran here).")
 
+
+# Rounds of the cache formats' interleaved timing after the suite (about 15 s on Zen 4)
+INTERLEAVED_ROUNDS = 150
 
 # A line under a workload's table that compares it with another workload.
 SUMMARIES = {"encoder_weights": weights_cost, "decode_cache_int8": cache_format_gain}
@@ -325,6 +331,21 @@ def run_suite(threads: int | None, pytest_args: list, user_env: bool = True) -> 
         " -- " + " ".join(shlex.quote(a) for a in pytest_args) if pytest_args else "")
 
 
+def run_interleaved(threads: int | None, rounds: int = INTERLEAVED_ROUNDS) -> str:
+    """cache_formats_interleaved.py in a subprocess, in user mode as the suite: the float16 /
+    int8 steps' speedups over float32 from the same moments (the suite times the three
+    workloads minutes apart, while the host's bandwidth moves)."""
+    env = {k: v for k, v in os.environ.items() if k not in USER_ENV_DROPS}
+    script = os.path.join(HERE, "cache_formats_interleaved.py")
+    cmd = [sys.executable, script, "--rounds", str(rounds), "--threads", str(threads or 2)]
+    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"cache_formats_interleaved.py failed ({proc.returncode}):\n{proc.stderr}")
+    shown = "python benchmarks/" + " ".join(shlex.quote(c) for c in [os.path.basename(script)] + cmd[2:])
+    return (f"## The cache formats timed in turn\n\nSource: {shown} (right after the suite)\n\n"
+            f"```\n{proc.stdout.strip()}\n```\n")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pytest_args = []
@@ -346,6 +367,8 @@ def main(argv=None) -> int:
     for data, source in datasets:
         command = data.get("mha_command")
         print(report(data, source + (f" (made by: `{command}`)" if command else "")))
+    if not args.json and any(w.startswith("decode_cache_") for w in rows_by_workload(datasets[0][0])):
+        print(run_interleaved(args.mha_threads))
     if args.default_env and not args.json:
         selected = ["-k", " or ".join(DEFAULT_ENV_WORKLOADS)]
         data, source = run_suite(args.mha_threads, selected, user_env=False)
