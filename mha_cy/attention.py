@@ -159,14 +159,19 @@ def _linear(x, weight, bias, n_threads):
     return out.reshape(batch, length, -1)
 
 
-def _linear_heads(x, weight, bias, heads, head_dim, n_threads, scratch=None, name=None):
+def _linear_heads(x, weight, bias, heads, head_dim, n_threads, scratch=None, name=None,
+                  padding=None, padding_from=0):
     """(B, L, in) @ weight.T + bias split into heads: a C-contiguous (B, heads, L, head_dim)
     array (each head's rows contiguous, as the attention kernel reads them fastest), in the
-    scratch buffer `name` of a Lease (_scratch.py), or new."""
+    scratch buffer `name` of a Lease (_scratch.py), or new. padding: None or a bool (B, L)
+    key padding mask: the heads from padding_from on are K/V heads, and the rows of padded
+    keys may be left 0 there (the attention reads none of them: linear_heads' skip_rows)."""
     batch, length, _ = x.shape
     shape = (batch, heads, length, head_dim)         # rows read in whole vectors: on lines
     out = empty_lines(shape, x.dtype) if scratch is None else scratch.array(name, shape, x.dtype)
-    _linear_kernel.linear_heads(_token_rows(x), weight, bias, out, n_threads)
+    skip = None if padding is None else padding.reshape(-1)
+    _linear_kernel.linear_heads(_token_rows(x), weight, bias, out, n_threads, skip,
+                                padding_from * head_dim)
     return out
 
 
@@ -346,10 +351,13 @@ class MultiHeadAttention(MultiHeadAttentionBase):
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_q = heads * d
         n_threads = kernel_threads()
+        # Padded keys: their K/V rows are not computed (0s), unless a cache keeps them
+        padding = key_padding_mask if plan is None else None
         with blas_single_threaded(), self._scratch().lease() as scratch:
             if self_attention and self.in_proj_weight is not None:
                 qkv = _linear_heads(query, self.in_proj_weight, self.in_proj_bias,
-                                    heads + 2 * kv_heads, d, n_threads, scratch, "qkv")
+                                    heads + 2 * kv_heads, d, n_threads, scratch, "qkv",
+                                    padding, heads)
                 if positions is not None:
                     _rotate_qk(qkv, heads, kv_heads, self.rope, positions, n_threads)
                 q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
@@ -359,13 +367,13 @@ class MultiHeadAttention(MultiHeadAttentionBase):
                 if key is value and self.in_proj_weight is not None:   # one GEMM for K and V
                     kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[n_q:]
                     kv = _linear_heads(key, self.in_proj_weight[n_q:], kv_bias, 2 * kv_heads, d,
-                                       n_threads, scratch, "kv")
+                                       n_threads, scratch, "kv", padding)
                     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
                 else:
                     k = _linear_heads(key, self.k_weight, self.k_bias, kv_heads, d, n_threads,
-                                      scratch, "k")
+                                      scratch, "k", padding)
                     v = _linear_heads(value, self.v_weight, self.v_bias, kv_heads, d, n_threads,
-                                      scratch, "v")
+                                      scratch, "v", padding)
             ragged = k_scale = v_scale = None
             if plan is not None:     # k, v: the cache's storage, in its format
                 k, v = plan.write(k, v)
