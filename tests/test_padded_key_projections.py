@@ -147,3 +147,19 @@ def test_a_cache_keeps_the_padded_keys(row_skip):
         caches.append(cache)
     np.testing.assert_array_equal(caches[1].key, caches[0].key)
     assert np.abs(caches[1].key[1, :, 8:40]).min() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sequence_with_every_key_padded(dtype, row_skip):
+    """All of a sequence's K/V rows skipped: its rows get the zero context (the output bias),
+    as when they are computed, and the other sequences are untouched."""
+    rng = np.random.default_rng(11)
+    fast, ref = make_pair(rng, 32, 4, dtype)
+    x = rng.standard_normal((3, 64, 32)).astype(dtype)
+    pad = np.zeros((3, 64), bool)
+    pad[1] = True
+    pad[2, 40:] = True
+    every_row, skipped = _run_both(row_skip, lambda: fast(x, key_padding_mask=pad))
+    np.testing.assert_array_equal(skipped, every_row)
+    np.testing.assert_array_equal(skipped[1], np.broadcast_to(fast.out_bias, (64, 32)))
+    assert_close(skipped, ref(x, key_padding_mask=pad), dtype, factor=10)
