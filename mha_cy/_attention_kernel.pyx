@@ -143,7 +143,10 @@ cdef inline void _task(const Problem *p, Py_ssize_t t, Task *task) noexcept nogi
         task.b = t // (p.q_heads * p.q_blocks)
         rem = t % (p.q_heads * p.q_blocks)
         task.h0 = rem // p.q_blocks
-        task.i0 = (rem % p.q_blocks) * p.block_q
+        # causal: a head's last query blocks see the most keys; handing them out first leaves
+        # the short tasks to even out the threads at the end (the order changes no bit)
+        task.i0 = ((p.q_blocks - 1 - rem % p.q_blocks if p.causal else rem % p.q_blocks)
+                   * p.block_q)
         task.rows = min(p.block_q, p.q_len - task.i0)
         task.dh = 0
         task.di = 1
