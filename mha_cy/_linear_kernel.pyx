@@ -22,20 +22,19 @@ rows) ran 127.5 -> 122 ms (Zen 4, 2 threads, interleaved runs), with the same bi
 from libc.limits cimport INT_MAX
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 import numpy as np
 
 from ._c_kernels cimport (MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64, MHA_SMALL_GEMM_MAX_ROWS,
                           MHA_SMALL_GEMM_MIN_WEIGHT_BYTES, mha_small_gemm_f32, mha_small_gemm_f64,
-                          mha_row_panels_size_f32, mha_row_panels_size_f64, mha_row_panel_gemm_f32,
-                          mha_row_panel_gemm_f64, mha_row_panel_set_isa)
+                          mha_row_panels_size_f32, mha_row_panels_size_f64, mha_row_panel_set_isa)
 from ._cython_blas cimport _gemm, NoTrans, Trans
 from ._kernel_rules cimport (LINEAR_MIN_TILE_FLOPS, LINEAR_MAX_TILES, linear_tile_grid,
                              column_tile_grid)
 from ._openmp_helpers cimport mha_omp_barrier
-from ._panels cimport pack_panel
+from ._panels cimport pack_panel, panel_gemm_skipping, skipped_panels
 from ._aligned cimport malloc_lines
 
 # Up to this many rows src/row_panel_gemm.c replaces BLAS (row_panel_gemm.h: measurements):
@@ -118,55 +117,12 @@ cdef inline void _linear_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t til
         while c0 < c1:
             h = c0 // head_dim
             ce = min(c1, (h + 1) * head_dim)
-            if skip_panel != NULL and c0 >= skip_from:
-                _panel_runs(r0, m, c0, ce, packed, K, w, ldx, bias, out + h * head_shift, ldo,
-                            row_off, skip_panel)
-            else:
-                _panel_gemm(r0, m, c0, ce, packed, K, w, ldx, bias, out + h * head_shift, ldo,
-                            row_off)
+            panel_gemm_skipping(r0, m, c0, ce, packed, K, w, ldx, bias, out + h * head_shift,
+                                ldo, row_off, skip_panel, skip_from)
             c0 = ce
         return
     _linear_block(x + r0 * ldx, ldx, w + c0 * ldx, ldx, NULL if bias == NULL else bias + c0,
                   out + r0 * ldo + c0, ldo, min(tile_rows, M - r0), c1 - c0, K, few_rows)
-
-
-cdef inline void _panel_gemm(Py_ssize_t r0, Py_ssize_t m, Py_ssize_t c0, Py_ssize_t c1,
-                             const floating *packed, Py_ssize_t K, const floating *w,
-                             Py_ssize_t ldw, const floating *bias, floating *out, Py_ssize_t ldo,
-                             const Py_ssize_t *row_off) noexcept nogil:
-    """Columns [c0, c1) of rows r0 .. r0 + m (r0 at a panel's start) from the packed panels."""
-    cdef floating *o = out if row_off != NULL else out + r0 * ldo
-    if row_off != NULL:
-        row_off = row_off + r0
-    if floating is float:
-        mha_row_panel_gemm_f32(packed + r0 * K, m, K, w, ldw, bias, o, ldo, row_off, c0, c1)
-    else:
-        mha_row_panel_gemm_f64(packed + r0 * K, m, K, w, ldw, bias, o, ldo, row_off, c0, c1)
-
-
-cdef void _panel_runs(Py_ssize_t r0, Py_ssize_t m, Py_ssize_t c0, Py_ssize_t c1,
-                      const floating *packed, Py_ssize_t K, const floating *w, Py_ssize_t ldw,
-                      const floating *bias, floating *out, Py_ssize_t ldo,
-                      const Py_ssize_t *row_off, const unsigned char *skip_panel) noexcept nogil:
-    """_panel_gemm over runs of computed panels; the rows of skipped panels get zeros. Each
-    output is the same chain of FMAs however the rows are grouped: computed rows keep their
-    bits."""
-    cdef Py_ssize_t pr = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
-    cdef Py_ssize_t end = r0 + m, a = r0, b, i
-    cdef bint skip
-    while a < end:
-        skip = skip_panel[a // pr]
-        b = a + pr
-        while b < end and skip_panel[b // pr] == skip:
-            b += pr
-        b = min(b, end)
-        if not skip:
-            _panel_gemm(a, b - a, c0, c1, packed, K, w, ldw, bias, out, ldo, row_off)
-        else:
-            for i in range(a, b):
-                memset(out + (row_off[i] if row_off != NULL else i * ldo) + c0, 0,
-                       (c1 - c0) * sizeof(floating))
-        a = b
 
 
 def tile_grid(M, N, K, column_blocks=False, min_cols=1):
@@ -291,13 +247,7 @@ cdef object _linear(const floating[:, ::1] x, const floating[:, ::1] weight, obj
             free(packed)
             free(row_off)
             raise MemoryError("linear: could not allocate the panel flags")
-        for p in range(n_panels):
-            skip_panel[p] = 1
-            for i in range(p * panel_rows, min((p + 1) * panel_rows, M)):
-                if not skip_rows[i]:
-                    skip_panel[p] = 0
-                    break
-            n_skipped += skip_panel[p]
+        n_skipped = skipped_panels(skip_rows, M, panel_rows, skip_panel)
         if n_skipped == 0:
             free(skip_panel)
             skip_panel = NULL
@@ -391,15 +341,17 @@ def _set_small_gemm_rule(max_rows, min_weight_bytes):
     return previous
 
 
-# Whether linear_heads honours skip_rows (tests compare the results both ways: _set_row_skip).
+# Whether linear_heads honours skip_rows, and _step_kernel skips padded keys' rows likewise
+# (tests compare the results both ways: _set_row_skip).
 cdef bint SKIP_ROWS = True
+row_skip = True
 
 
 def _set_row_skip(enabled):
     """Let linear_heads skip the flagged rows (True) or compute every row; return the old value."""
-    global SKIP_ROWS
+    global SKIP_ROWS, row_skip
     previous = SKIP_ROWS
-    SKIP_ROWS = bool(enabled)
+    SKIP_ROWS = row_skip = bool(enabled)
     return previous
 
 

@@ -61,7 +61,7 @@ import numpy as np
 
 from . import _attention_kernel, _linear_kernel
 from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
-from ._panels cimport pack_panel
+from ._panels cimport pack_panel, panel_gemm_skipping, skipped_panels
 from ._aligned cimport line_round, malloc_lines
 from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64,
                           mha_small_gemm_f32, mha_small_gemm_f64,
@@ -124,6 +124,7 @@ cdef struct Step:
     const Py_ssize_t *group_start
     Py_ssize_t max_group      # the most query heads of one K/V head
     const unsigned char *pad  # self-attention's key padding, (batch, length) flags; or NULL
+    bint skip_padded          # the QKV projection skips padded keys' K/V rows (_linear_kernel)
     # self-attention's additive mask (attn_mask of the module dtype), or NULL; element
     # strides of its (B, H, Lq, Lk) axes, 0 where it broadcasts
     const void *mask
@@ -131,9 +132,11 @@ cdef struct Step:
 
 
 cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
-                 const floating *bias, floating *out, Py_ssize_t n) noexcept nogil:
+                 const floating *bias, floating *out, Py_ssize_t n,
+                 const unsigned char *skip_panel=NULL, Py_ssize_t skip_from=0) noexcept nogil:
     """out (m, n) = x (m, k) @ w (n, k)^T + bias, as _linear_kernel.linear computes it by
-    default; 0, or -1 when out of memory."""
+    default; 0, or -1 when out of memory. skip_panel: NULL, or panels whose columns from
+    skip_from on are 0, not computed (panel_gemm_skipping: padded keys' K and V)."""
     cdef floating *packed
     if m <= MHA_SMALL_GEMM_MAX_ROWS:
         if floating is float:
@@ -161,12 +164,8 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
     while r0 < m:
         j0 = 0
         while j0 < n:
-            if floating is float:
-                mha_row_panel_gemm_f32(packed + r0 * k, min(group, m - r0), k, w, k, bias,
-                                       out + r0 * n, n, NULL, j0, min(n, j0 + cols))
-            else:
-                mha_row_panel_gemm_f64(packed + r0 * k, min(group, m - r0), k, w, k, bias,
-                                       out + r0 * n, n, NULL, j0, min(n, j0 + cols))
+            panel_gemm_skipping(r0, min(group, m - r0), j0, min(n, j0 + cols), packed, k, w, k,
+                                bias, out, n, NULL, skip_panel, skip_from)
             j0 += cols
         r0 += group
     free(packed)
@@ -373,11 +372,13 @@ cdef Py_ssize_t _task_scratch_size(const Step *s, bint is_double) noexcept nogil
 cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t tile_rows,
                                Py_ssize_t tile_cols, const floating *x, Py_ssize_t m,
                                Py_ssize_t k, const floating *w, const floating *bias,
-                               floating *out, Py_ssize_t n, const floating *packed) noexcept nogil:
+                               floating *out, Py_ssize_t n, const floating *packed,
+                               const unsigned char *skip_panel=NULL,
+                               Py_ssize_t skip_from=0) noexcept nogil:
     """Tile t (row-major order) of out (m, n) = x (m, k) @ w (n, k)^T + bias, as
     _linear_kernel cuts it: small_gemm for up to MHA_SMALL_GEMM_MAX_ROWS rows (packed NULL,
-    one row tile), else from the packed panels of x (tile_rows: whole panels); each output is
-    the same chain of FMAs whatever the tile."""
+    one row tile), else from the packed panels of x (tile_rows: whole panels), skipping as
+    _linear does; each output is the same chain of FMAs whatever the tile."""
     cdef Py_ssize_t r0 = (t // col_tiles) * tile_rows, c0 = (t % col_tiles) * tile_cols
     cdef Py_ssize_t c1 = min(n, c0 + tile_cols), rows = min(tile_rows, m - r0)
     if packed == NULL:
@@ -387,12 +388,18 @@ cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t ti
         else:
             mha_small_gemm_f64(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
                                out + c0, n, m, c1 - c0, k)
-    elif floating is float:
-        mha_row_panel_gemm_f32(packed + r0 * k, rows, k, w, k, bias, out + r0 * n, n, NULL,
-                               c0, c1)
     else:
-        mha_row_panel_gemm_f64(packed + r0 * k, rows, k, w, k, bias, out + r0 * n, n, NULL,
-                               c0, c1)
+        panel_gemm_skipping(r0, rows, c0, c1, packed, k, w, k, bias, out, n, NULL, skip_panel,
+                            skip_from)
+
+
+# How many row panels the last small call's QKV projection skipped (tests: that the compiled
+# path skips padded keys' K/V rows, which changes no output bit; racy across threads).
+cdef Py_ssize_t last_skipped_panels = 0
+
+
+def _last_skipped_panels():
+    return last_skipped_panels
 
 
 cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
@@ -443,8 +450,20 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     # the projections' row panels of x (and then ctx); 0: small_gemm reads them in place
     cdef Py_ssize_t pr = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
     cdef Py_ssize_t n_panels = 0 if rows <= MHA_SMALL_GEMM_MAX_ROWS else (rows + pr - 1) // pr
+    # the panels of padded keys, whose K and V nobody reads (as _linear_kernel.linear_heads
+    # skips them; without the memory, every row is computed)
+    global last_skipped_panels
+    cdef unsigned char *skip_panel = NULL
+    last_skipped_panels = 0
+    if s.pad != NULL and s.skip_padded and not s.cached and rows > MHA_SMALL_GEMM_MAX_ROWS:
+        skip_panel = <unsigned char *> malloc((rows + pr - 1) // pr)
+        if skip_panel != NULL:
+            last_skipped_panels = skipped_panels(s.pad, rows, pr, skip_panel)
+            if last_skipped_panels == 0:
+                free(skip_panel)
+                skip_panel = NULL
     if team == 1:
-        status = _linear(x, rows, s.embed, w_in, b_in, qkv, s.n_in)
+        status = _linear(x, rows, s.embed, w_in, b_in, qkv, s.n_in, skip_panel, n_q)
         if status == 0:
             _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k, cache_v,
                             k_scale, v_scale)
@@ -469,7 +488,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
             mha_omp_barrier()
             for t in prange(in_tiles, schedule='dynamic'):
                 _project_tile(t, in_cols_n, in_rows, in_cols, x, rows, s.embed, w_in, b_in, qkv,
-                              s.n_in, packed if n_panels else NULL)
+                              s.n_in, packed if n_panels else NULL, skip_panel, n_q)
             mha_omp_barrier()
             if tid == 0:
                 _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k,
@@ -487,6 +506,7 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                               out, s.embed, packed if n_panels else NULL)
     free(buf)
     free(positions)
+    free(skip_panel)
     return status
 
 
@@ -671,6 +691,7 @@ cdef object _call(cnp.ndarray x, bint cached, bint causal, Py_ssize_t max_start,
     s.interleaved = interleaved
     s.kv_fmt = kv_fmt
     s.pad = <const unsigned char *> _data(key_padding)
+    s.skip_padded = _linear_kernel.row_skip
     s.mask = _data(attn_mask)
     s.mb = s.mh = s.ml = s.mk = 0
     if attn_mask is not None:

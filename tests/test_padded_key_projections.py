@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mha_cy
-from mha_cy import _linear_kernel, reference
+from mha_cy import _linear_kernel, _step_kernel, reference
 from conftest import DTYPES, assert_close, make_pair, random_weights
 
 PANEL_ROWS = {np.float32: 16, np.float64: 8}
@@ -78,6 +78,28 @@ def test_skip_rows_must_match_the_rows_and_cut_at_heads():
         _linear_kernel.linear_heads(x, w, None, out, 1, np.zeros(10, bool), 8)
 
 
+@pytest.fixture(params=["compiled", "general"])
+def path(request):
+    """Small calls run as one compiled call (_step_kernel); "general": a rule knob moved to a
+    value that changes no tile (panels for every row count, as by default) sends them through
+    the separate kernels (_linear_kernel.linear_heads) instead."""
+    if request.param == "compiled":
+        yield request.param
+        return
+    previous = _linear_kernel._set_panel_max_rows(2 ** 62)
+    try:
+        assert not _linear_kernel.default_rules
+        yield request.param
+    finally:
+        _linear_kernel._set_panel_max_rows(previous)
+
+
+def _skippable_panels(pad, dtype):
+    """Row panels of the (B * L) token rows whose keys are all padded."""
+    flat, pr = pad.reshape(-1), PANEL_ROWS[dtype]
+    return sum(bool(flat[p:p + pr].all()) for p in range(0, flat.size, pr))
+
+
 def _run_both(row_skip, call):
     row_skip(False)
     every_row = call()
@@ -91,7 +113,7 @@ def _run_both(row_skip, call):
     (None, False, False, False), (None, False, False, True), (2, False, False, False),
     (1, True, False, False), (None, True, True, True)])
 def test_self_attention_with_padding_is_unchanged_by_the_skip(dtype, kind, kv_heads, causal,
-                                                              rope, need_weights, row_skip):
+                                                              rope, need_weights, row_skip, path):
     rng = np.random.default_rng(7)
     B, L, E, H = 3, 150, 64, 4
     weights = random_weights(rng, E, H, num_kv_heads=kv_heads)
@@ -103,6 +125,10 @@ def test_self_attention_with_padding_is_unchanged_by_the_skip(dtype, kind, kv_he
     pad[:, -1] = False                  # (causal: the last query sees a key)
     kwargs = dict(key_padding_mask=pad, is_causal=causal, need_weights=need_weights)
     every_row, skipped = _run_both(row_skip, lambda: fast(x, **kwargs))
+    if path == "compiled" and not need_weights:     # (need_weights: the separate kernels)
+        expected = _skippable_panels(pad, dtype)
+        assert _step_kernel._last_skipped_panels() == expected
+        assert expected > 0 or kind == "scattered"
     if need_weights:
         np.testing.assert_array_equal(skipped[0], every_row[0])
         np.testing.assert_array_equal(skipped[1], every_row[1])
@@ -150,7 +176,7 @@ def test_a_cache_keeps_the_padded_keys(row_skip):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_sequence_with_every_key_padded(dtype, row_skip):
+def test_a_sequence_with_every_key_padded(dtype, row_skip, path):
     """All of a sequence's K/V rows skipped: its rows get the zero context (the output bias),
     as when they are computed, and the other sequences are untouched."""
     rng = np.random.default_rng(11)
@@ -160,6 +186,8 @@ def test_a_sequence_with_every_key_padded(dtype, row_skip):
     pad[1] = True
     pad[2, 40:] = True
     every_row, skipped = _run_both(row_skip, lambda: fast(x, key_padding_mask=pad))
+    if path == "compiled":
+        assert _step_kernel._last_skipped_panels() == _skippable_panels(pad, dtype) > 0
     np.testing.assert_array_equal(skipped, every_row)
     np.testing.assert_array_equal(skipped[1], np.broadcast_to(fast.out_bias, (64, 32)))
     assert_close(skipped, ref(x, key_padding_mask=pad), dtype, factor=10)
