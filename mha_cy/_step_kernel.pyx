@@ -61,7 +61,7 @@ import numpy as np
 
 from . import _attention_kernel, _linear_kernel
 from ._openmp_helpers cimport mha_omp_barrier, mha_omp_get_thread_num
-from ._panels cimport pack_panel, panel_gemm_skipping, skipped_panels
+from ._panels cimport pack_panel, panel_gemm_rows
 from ._aligned cimport line_round, malloc_lines
 from ._c_kernels cimport (MHA_SMALL_GEMM_MAX_ROWS, MHA_PANEL_ROWS_F32, MHA_PANEL_ROWS_F64,
                           mha_small_gemm_f32, mha_small_gemm_f64,
@@ -133,10 +133,12 @@ cdef struct Step:
 
 cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *w,
                  const floating *bias, floating *out, Py_ssize_t n,
-                 const unsigned char *skip_panel=NULL, Py_ssize_t skip_from=0) noexcept nogil:
+                 const Py_ssize_t *row_off=NULL, Py_ssize_t kv_rows=-1,
+                 Py_ssize_t kv_from=0) noexcept nogil:
     """out (m, n) = x (m, k) @ w (n, k)^T + bias, as _linear_kernel.linear computes it by
-    default; 0, or -1 when out of memory. skip_panel: NULL, or panels whose columns from
-    skip_from on are 0, not computed (panel_gemm_skipping: padded keys' K and V)."""
+    default; 0, or -1 when out of memory. row_off: NULL, or where row i of x goes in out
+    (element offsets, panels only); kv_rows >= 0: the columns from kv_from on only for the
+    rows below it (panel_gemm_rows)."""
     cdef floating *packed
     if m <= MHA_SMALL_GEMM_MAX_ROWS:
         if floating is float:
@@ -164,8 +166,8 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
     while r0 < m:
         j0 = 0
         while j0 < n:
-            panel_gemm_skipping(r0, min(group, m - r0), j0, min(n, j0 + cols), packed, k, w, k,
-                                bias, out, n, NULL, skip_panel, skip_from)
+            panel_gemm_rows(r0, min(group, m - r0), j0, min(n, j0 + cols), packed, k, w, k,
+                            bias, out, n, row_off, m if kv_rows < 0 else kv_rows, kv_from)
             j0 += cols
         r0 += group
     free(packed)
@@ -373,8 +375,8 @@ cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t ti
                                Py_ssize_t tile_cols, const floating *x, Py_ssize_t m,
                                Py_ssize_t k, const floating *w, const floating *bias,
                                floating *out, Py_ssize_t n, const floating *packed,
-                               const unsigned char *skip_panel=NULL,
-                               Py_ssize_t skip_from=0) noexcept nogil:
+                               const Py_ssize_t *row_off=NULL, Py_ssize_t kv_rows=-1,
+                               Py_ssize_t kv_from=0) noexcept nogil:
     """Tile t (row-major order) of out (m, n) = x (m, k) @ w (n, k)^T + bias, as
     _linear_kernel cuts it: small_gemm for up to MHA_SMALL_GEMM_MAX_ROWS rows (packed NULL,
     one row tile), else from the packed panels of x (tile_rows: whole panels), skipping as
@@ -389,17 +391,34 @@ cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t ti
             mha_small_gemm_f64(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
                                out + c0, n, m, c1 - c0, k)
     else:
-        panel_gemm_skipping(r0, rows, c0, c1, packed, k, w, k, bias, out, n, NULL, skip_panel,
-                            skip_from)
+        panel_gemm_rows(r0, rows, c0, c1, packed, k, w, k, bias, out, n, row_off,
+                        m if kv_rows < 0 else kv_rows, kv_from)
 
 
-# How many row panels the last small call's QKV projection skipped (tests: that the compiled
-# path skips padded keys' K/V rows, which changes no output bit; racy across threads).
-cdef Py_ssize_t last_skipped_panels = 0
+# How many token rows' K/V the last small call's QKV projection skipped (tests: that the
+# compiled path skips padded keys' K/V rows, which changes no output bit; racy across threads).
+cdef Py_ssize_t last_skipped_rows = 0
 
 
-def _last_skipped_panels():
-    return last_skipped_panels
+def _last_skipped_rows():
+    return last_skipped_rows
+
+
+cdef Py_ssize_t _unpadded_first(const unsigned char *pad, Py_ssize_t rows, Py_ssize_t pr,
+                                Py_ssize_t n, Py_ssize_t *row_off) noexcept nogil:
+    """row_off[j] = n * (the j-th row in the order: unpadded rows, then padded ones, each in
+    order); returns the rows to compute K/V for: the unpadded ones, up to whole panels of pr."""
+    cdef Py_ssize_t i, j = 0, valid
+    for i in range(rows):
+        if not pad[i]:
+            row_off[j] = i * n
+            j += 1
+    valid = j
+    for i in range(rows):
+        if pad[i]:
+            row_off[j] = i * n
+            j += 1
+    return min(rows, (valid + pr - 1) // pr * pr)
 
 
 cdef int _run(const Step *s, const int64_t *starts, const floating *x, const floating *w_in,
@@ -452,18 +471,34 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     cdef Py_ssize_t n_panels = 0 if rows <= MHA_SMALL_GEMM_MAX_ROWS else (rows + pr - 1) // pr
     # the panels of padded keys, whose K and V nobody reads (as _linear_kernel.linear_heads
     # skips them; without the memory, every row is computed)
-    global last_skipped_panels
-    cdef unsigned char *skip_panel = NULL
-    last_skipped_panels = 0
+    # The rows of padded keys: x is packed with them last (xg), each row written back to its
+    # place (row_off), and their K/V columns get 0 instead of products (every other value
+    # keeps its bits). Without the memory, every row is computed.
+    global last_skipped_rows
+    cdef Py_ssize_t *row_off = NULL
+    cdef floating *xg = NULL
+    cdef const floating *x_in = x
+    cdef Py_ssize_t kv_rows = -1, i
+    last_skipped_rows = 0
     if s.pad != NULL and s.skip_padded and not s.cached and rows > MHA_SMALL_GEMM_MAX_ROWS:
-        skip_panel = <unsigned char *> malloc((rows + pr - 1) // pr)
-        if skip_panel != NULL:
-            last_skipped_panels = skipped_panels(s.pad, rows, pr, skip_panel)
-            if last_skipped_panels == 0:
-                free(skip_panel)
-                skip_panel = NULL
+        row_off = <Py_ssize_t *> malloc(rows * sizeof(Py_ssize_t))
+        xg = <floating *> malloc(rows * s.embed * sizeof(floating))
+        if row_off != NULL and xg != NULL:
+            kv_rows = _unpadded_first(s.pad, rows, pr, s.n_in, row_off)
+        if kv_rows < 0 or kv_rows == rows:       # nothing to skip (or no memory)
+            free(row_off)
+            free(xg)
+            row_off, xg, kv_rows = NULL, NULL, -1
+        else:
+            last_skipped_rows = rows - kv_rows
+            for i in range(rows):
+                memcpy(xg + i * s.embed, x + (row_off[i] // s.n_in) * s.embed,
+                       s.embed * sizeof(floating))
+                if i >= kv_rows:
+                    memset(qkv + row_off[i] + n_q, 0, (s.n_in - n_q) * sizeof(floating))
+            x_in = xg
     if team == 1:
-        status = _linear(x, rows, s.embed, w_in, b_in, qkv, s.n_in, skip_panel, n_q)
+        status = _linear(x_in, rows, s.embed, w_in, b_in, qkv, s.n_in, row_off, kv_rows, n_q)
         if status == 0:
             _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k, cache_v,
                             k_scale, v_scale)
@@ -484,11 +519,11 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
         with nogil, parallel(num_threads=team):
             tid = mha_omp_get_thread_num()
             for p in prange(n_panels, schedule='static'):
-                pack_panel(p, pr, x, s.embed, rows, s.embed, packed)
+                pack_panel(p, pr, x_in, s.embed, rows, s.embed, packed)
             mha_omp_barrier()
             for t in prange(in_tiles, schedule='dynamic'):
                 _project_tile(t, in_cols_n, in_rows, in_cols, x, rows, s.embed, w_in, b_in, qkv,
-                              s.n_in, packed if n_panels else NULL, skip_panel, n_q)
+                              s.n_in, packed if n_panels else NULL, row_off, kv_rows, n_q)
             mha_omp_barrier()
             if tid == 0:
                 _rope_and_store(s, starts, qkv, cos, sin, positions, inv_freq, cache_k,
@@ -506,7 +541,8 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
                               out, s.embed, packed if n_panels else NULL)
     free(buf)
     free(positions)
-    free(skip_panel)
+    free(row_off)
+    free(xg)
     return status
 
 
