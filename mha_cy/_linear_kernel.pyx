@@ -167,7 +167,7 @@ def linear_heads(const floating[:, ::1] x, const floating[:, ::1] weight, bias,
         raise ValueError("linear_heads: inconsistent shapes")
     cdef const unsigned char[::1] skip
     cdef const unsigned char *skip_ptr = NULL
-    if skip_rows is not None and SKIP_ROWS:
+    if skip_rows is not None and row_skip:
         skip = np.ascontiguousarray(skip_rows).view(np.uint8)
         if skip.shape[0] != x.shape[0] or skip_from % D or not 0 <= skip_from <= weight.shape[0]:
             raise ValueError("linear_heads: inconsistent skip_rows / skip_from")
@@ -343,15 +343,14 @@ def _set_small_gemm_rule(max_rows, min_weight_bytes):
 
 # Whether linear_heads honours skip_rows, and _step_kernel skips padded keys' rows likewise
 # (tests compare the results both ways: _set_row_skip).
-cdef bint SKIP_ROWS = True
 row_skip = True
 
 
 def _set_row_skip(enabled):
     """Let linear_heads skip the flagged rows (True) or compute every row; return the old value."""
-    global SKIP_ROWS, row_skip
-    previous = SKIP_ROWS
-    SKIP_ROWS = row_skip = bool(enabled)
+    global row_skip
+    previous = row_skip
+    row_skip = bool(enabled)
     return previous
 
 

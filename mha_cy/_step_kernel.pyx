@@ -469,8 +469,6 @@ cdef int _run(const Step *s, const int64_t *starts, const floating *x, const flo
     # the projections' row panels of x (and then ctx); 0: small_gemm reads them in place
     cdef Py_ssize_t pr = MHA_PANEL_ROWS_F32 if floating is float else MHA_PANEL_ROWS_F64
     cdef Py_ssize_t n_panels = 0 if rows <= MHA_SMALL_GEMM_MAX_ROWS else (rows + pr - 1) // pr
-    # the panels of padded keys, whose K and V nobody reads (as _linear_kernel.linear_heads
-    # skips them; without the memory, every row is computed)
     # The rows of padded keys: x is packed with them last (xg), each row written back to its
     # place (row_off), and their K/V columns get 0 instead of products (every other value
     # keeps its bits). Without the memory, every row is computed.
