@@ -307,10 +307,16 @@ def chart(datasets: list, path: str) -> None:
     plt.close(fig)
 
 
+def subprocess_env(user_env: bool = True) -> dict:
+    """This process's environment, without the variables of ``USER_ENV_DROPS`` when
+    ``user_env`` (OpenBLAS reads them when it loads, so only a fresh process can drop them)."""
+    return {k: v for k, v in os.environ.items() if not (user_env and k in USER_ENV_DROPS)}
+
+
 def run_suite(threads: int | None, pytest_args: list, user_env: bool = True) -> tuple[dict, str]:
     """Run the suite in a subprocess; ``user_env``: without the variables of ``USER_ENV_DROPS``
-    (OpenBLAS reads them when it loads, so only a fresh process can drop them)."""
-    env = {k: v for k, v in os.environ.items() if not (user_env and k in USER_ENV_DROPS)}
+    (subprocess_env)."""
+    env = subprocess_env(user_env)
     dropped = [k for k in USER_ENV_DROPS if user_env and k in os.environ]
     fd, path = tempfile.mkstemp(prefix="mha_bench_", suffix=".json")
     os.close(fd)
@@ -335,7 +341,7 @@ def run_interleaved(threads: int | None, rounds: int = INTERLEAVED_ROUNDS) -> st
     """cache_formats_interleaved.py in a subprocess, in user mode as the suite: the float16 /
     int8 steps' speedups over float32 from the same moments (the suite times the three
     workloads minutes apart, while the host's bandwidth moves)."""
-    env = {k: v for k, v in os.environ.items() if k not in USER_ENV_DROPS}
+    env = subprocess_env()
     script = os.path.join(HERE, "cache_formats_interleaved.py")
     cmd = [sys.executable, script, "--rounds", str(rounds), "--threads", str(threads or 2)]
     proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True)
