@@ -4,9 +4,11 @@
  * writes it to memory, softmaxes it row by row and multiplies it into V with a second sgemm.
  * For short sequences the calls' fixed cost (packing, dispatch) and the round trips of S
  * through L2 dominate, and the speed depends on the OpenBLAS kernel picked at run time. Here a
- * tile of MHA_FUSED_TILE_KEYS keys is packed transposed (D x keys) once and reused by every
- * row of the task; blocks of 6 query rows (12 at AVX-512, whose 32 vector registers hold
- * them: attention_microkernel_impl.h's RB) get their scores from FMAs over the packed tile
+ * tile of keys (128 float32 / 64 float64, or half that where a causal limit or a window cuts
+ * the tile: attention_microkernel_impl.h's NK) is packed transposed (D x keys) once and
+ * reused by every row of the task; blocks of 6 query rows (12 at AVX-512, whose 32 vector
+ * registers hold them: attention_microkernel_impl.h's RB) get their scores from FMAs over the
+ * packed tile
  * (vectorized over keys), the masks and the online softmax of attention_tile.c (the same
  * function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
  * broadcast against the contiguous rows of V; a block's scores live in a rows x keys L1 buffer.

@@ -15,7 +15,19 @@
 #include "decode_blocks.h"
 #include "softmax_row_impl.h"
 
-#define NK (4 * VL)    /* keys per tile: the packed tile is d x 256 bytes */
+/* Keys per tile. NK is the most (the row stride of the packed tile and of the scores); the
+ * packed kernel's tiles are that wide when no row's keys end at a causal limit or a window
+ * (a full tile halves the per-tile costs of the online softmax: the rows' max and sum
+ * reductions, the rescaling of acc, the loads and stores of acc around P V), and NK_EDGE wide
+ * otherwise, where a wider tile computes more scores above the diagonal that causality hides;
+ * the direct kernel's tiles (decode) are NK_EDGE wide. Which width a call takes depends on its
+ * arguments alone (never on the thread count). Zen 5, SDPA float32, 2 threads, min of 3
+ * interleaved runs, NK_EDGE -> NK for every tile: (8, 12, 512, 64) padding mask 17.1-17.6 ->
+ * 16.1-16.8 ms; (1, 12, 128, 64) 141-144 -> 131-140 us; (1, 8, 4096, 64) causal 45.7 ->
+ * 44.6-46.0; (2, 32 / 8, 512, 128) causal 12.9-13.1 -> 14.0-14.7 (hence NK_EDGE there); D 128
+ * and 256 unmasked, decode: within the noise. */
+#define NK (8 * VL)
+#define NK_EDGE (4 * VL)
 #define VEC FN(vec_)
 
 #define W (VL / 2)     /* lanes of a 256-bit vector: a block's sums are 2 vectors per row */
@@ -328,8 +340,11 @@ void FN(mha_fused_attend_)(const REAL *q, ptrdiff_t q_rs, int rows, int d,
      * threads 330 / 337 -> 315 / 319 us, 1 thread 583 / 635 -> 579 / 598; (8, 12, 512, 64)
      * within the host's noise. */
     const int copy_v = rows > RB && ((uintptr_t)v % 64 != 0 || v_rs * sizeof(REAL) % 64 != 0);
-    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK) {
-        int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
+    /* every row sees every key up to k_end (no causal limit inside, no window): wide tiles */
+    const int tile = window <= 0 && limit + (rows - 1) * limit_step >= k_end && limit >= k_end
+                         ? NK : NK_EDGE;
+    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += tile) {
+        int nk = (int)(k_end - j0 < tile ? k_end - j0 : tile);
         int nkp = (nk + KSTEP - 1) / KSTEP * KSTEP;
         FN(pack_keys_)(k + j0 * k_rs, k_rs, d, nk, nkp, kt);
         const REAL *vt = v + j0 * v_rs;
@@ -417,12 +432,12 @@ static inline __attribute__((always_inline)) VEC FN(reduce_)(const VEC *v)
  * decode_dram's shapes (64 MiB caches, rotated): 2 threads 18.9 -> 30-32 GB/s, one thread
  * 9.8 -> 16.0 (np.max: 29 and 25); prefetching two or more tiles ahead, or into every level
  * (prefetcht2), measured slower.
- * MHA_DECODE_PREFETCH_KEYS keys ahead, not a tile (NK): enough lead for DRAM's latency (16
+ * MHA_DECODE_PREFETCH_KEYS keys ahead, not a tile (NK_EDGE): enough lead for DRAM's latency (16
  * keys are 1-2 us of this kernel), fewer lines in flight. Zen 4, 1 thread, the same shapes,
  * medians of 4 interleaved runs: 4.12 ms a tile ahead, 3.74 at 16 keys, 3.68 at 8. At 2
  * threads within the host's noise (2.60 / 2.61 / 2.64), and MQA (1, 8, 1, 128) over 32k keys
  * 1.71 / 1.61 / 1.39. */
-#if MHA_DECODE_PREFETCH_KEYS > NK
+#if MHA_DECODE_PREFETCH_KEYS > NK_EDGE
 #error "MHA_DECODE_PREFETCH_KEYS must be at most a tile: the keys are in this tile or the next"
 #endif
 static inline __attribute__((always_inline)) void FN(prefetch_row_)(const REAL *x, int n)
@@ -644,10 +659,10 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
                                   REAL *work)
 {
     REAL *s = work;
-    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK) {
-        int nk = (int)(k_end - j0 < NK ? k_end - j0 : NK);
+    for (ptrdiff_t j0 = k_begin; j0 < k_end; j0 += NK_EDGE) {
+        int nk = (int)(k_end - j0 < NK_EDGE ? k_end - j0 : NK_EDGE);
         ptrdiff_t after = k_end - j0 - nk;
-        int nk_next = (int)(after < NK ? after : NK);
+        int nk_next = (int)(after < NK_EDGE ? after : NK_EDGE);
         for (ptrdiff_t r = 0, block; r < rows; r += block) {
             /* DRB rows, else what is left: one pass over the tile's K and V rows for a task of
              * up to DRB rows (a GQA group of 6 query heads took a block of 4 and one of 2).
@@ -686,6 +701,7 @@ void FN(mha_fused_attend_direct_)(const REAL *q, ptrdiff_t q_rs, int rows, int d
 #undef LINE_REALS
 #undef W
 #undef NK
+#undef NK_EDGE
 #undef FN
 #undef MHA_CAT
 #undef MHA_CAT_

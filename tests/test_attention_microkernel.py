@@ -1,8 +1,8 @@
 """The fused attention tile kernel (src/attention_microkernel.c) on its own: forced on with
 _set_tile_kernel("fused"), against mha_cy.reference, for the shapes its register blocks and
-tiles cut unevenly (4 query rows x 16 or 8 keys per block, 64 or 32 keys per tile, dv in
-vectors of 8 or 4 lanes plus a tail), every mask, the decode and split-K tasks, NaN, and any
-thread count."""
+tiles cut unevenly (4 query rows x 16 or 8 keys per block; 64 or 32 keys per tile where a
+causal limit or a window cuts it, 128 or 64 elsewhere; dv in vectors of 8 or 4 lanes plus a
+tail), every mask, the decode and split-K tasks, NaN, and any thread count."""
 import numpy as np
 import pytest
 
@@ -88,6 +88,36 @@ def test_key_padding_at_both_ends(rng, tile_kernel, dtype, is_causal):
     pad[4] = True
     assert_close(fast(x, key_padding_mask=pad, is_causal=is_causal),
                  ref(x, key_padding_mask=pad, is_causal=is_causal), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_len", [63, 64, 65, 127, 128, 129, 200, 257])
+@pytest.mark.parametrize("mask", ["none", "padding", "additive", "causal", "window"])
+def test_wide_and_edge_tiles(rng, fused, dtype, k_len, mask):
+    """Key counts either side of both tile widths (the wide tiles of rows that see every key,
+    the narrow ones where a causal limit or a window cuts a tile), with the masks that keep
+    the wide tiles (padding inside and past a tile, an additive mask) and those that do not;
+    against the reference, and the same bits on 1 and 3 threads."""
+    q = normal(rng, (2, 2, 45, 40), dtype)
+    k, v = normal(rng, (2, 2, k_len, 40), dtype), normal(rng, (2, 2, k_len, 40), dtype)
+    kwargs = {"causal": {"is_causal": True}, "window": {"is_causal": True, "window": 50}}.get(mask, {})
+    if mask == "padding":
+        keep = np.ones((2, 1, 1, k_len), bool)
+        keep[0, ..., k_len // 2:] = False
+        keep[1, ..., 60:70] = keep[1, ..., k_len - 1] = False
+        kwargs = {"attn_mask": keep}
+    elif mask == "additive":
+        add = rng.standard_normal((2, 1, 45, k_len)).astype(dtype)
+        add[rng.random(add.shape) < 0.1] = -np.inf
+        kwargs = {"attn_mask": add}
+    out, expected = sdpa_pair(q, k, v, **kwargs)
+    assert_close(out, expected, dtype)
+    with mha_cy.threads(1):
+        one = mha_cy.scaled_dot_product_attention(q, k, v, **kwargs)
+    with mha_cy.threads(3):
+        three = mha_cy.scaled_dot_product_attention(q, k, v, **kwargs)
+    np.testing.assert_array_equal(one, out)
+    np.testing.assert_array_equal(three, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
