@@ -121,6 +121,24 @@ def test_wide_and_edge_tiles(rng, fused, dtype, k_len, mask):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_wide_tiles_every_head_dim(rng, fused, dtype, d, padded):
+    """200 keys in a wide tile and a partial one (128 + 72 float32, 3 x 64 + 8 float64), every
+    head dim (the packed tile grows with it), with and without padding inside the partial
+    tile."""
+    q = normal(rng, (1, 2, 30, d), dtype)
+    k, v = normal(rng, (1, 2, 200, d), dtype), normal(rng, (1, 2, 200, d), dtype)
+    kwargs = {}
+    if padded:
+        keep = np.ones((1, 1, 1, 200), bool)
+        keep[..., 150:190] = False
+        kwargs = {"attn_mask": keep}
+    out, expected = sdpa_pair(q, k, v, **kwargs)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(40, 90), (1, 1, 90), (2, 1, 40, 90), (2, 3, 40, 90)])
 def test_additive_mask(rng, tile_kernel, dtype, shape):
     """Additive masks with every broadcast (the kernel's row and key strides), -inf included."""
