@@ -91,9 +91,9 @@ cdef inline void panel_gemm_rows(Py_ssize_t r0, Py_ssize_t m, Py_ssize_t c0, Py_
                                  Py_ssize_t ldo, const Py_ssize_t *row_off, Py_ssize_t kv_rows,
                                  Py_ssize_t kv_from) noexcept nogil:
     """panel_gemm, except that its columns from kv_from on are computed for the packed rows
-    below kv_rows only (a multiple of the panel rows, or all): rows packed with the padded
+    below kv_rows only (a multiple of the panel rows; < 0: all): rows packed with the padded
     keys last, whose K and V nobody reads. The same bits for every row computed."""
-    if c1 <= kv_from or r0 + m <= kv_rows:
+    if kv_rows < 0 or c1 <= kv_from or r0 + m <= kv_rows:
         panel_gemm(r0, m, c0, c1, packed, K, w, ldw, bias, out, ldo, row_off)
         return
     if c0 < kv_from:

@@ -167,7 +167,7 @@ cdef int _linear(const floating *x, Py_ssize_t m, Py_ssize_t k, const floating *
         j0 = 0
         while j0 < n:
             panel_gemm_rows(r0, min(group, m - r0), j0, min(n, j0 + cols), packed, k, w, k,
-                            bias, out, n, row_off, m if kv_rows < 0 else kv_rows, kv_from)
+                            bias, out, n, row_off, kv_rows, kv_from)
             j0 += cols
         r0 += group
     free(packed)
@@ -391,8 +391,8 @@ cdef inline void _project_tile(Py_ssize_t t, Py_ssize_t col_tiles, Py_ssize_t ti
             mha_small_gemm_f64(x, k, w + c0 * k, k, NULL if bias == NULL else bias + c0,
                                out + c0, n, m, c1 - c0, k)
     else:
-        panel_gemm_rows(r0, rows, c0, c1, packed, k, w, k, bias, out, n, row_off,
-                        m if kv_rows < 0 else kv_rows, kv_from)
+        panel_gemm_rows(r0, rows, c0, c1, packed, k, w, k, bias, out, n, row_off, kv_rows,
+                        kv_from)
 
 
 # How many token rows' K/V the last small call's QKV projection skipped (tests: that the

@@ -8,9 +8,8 @@
  * the tile: attention_microkernel_impl.h's NK) is packed transposed (D x keys) once and
  * reused by every row of the task; blocks of 6 query rows (12 at AVX-512, whose 32 vector
  * registers hold them: attention_microkernel_impl.h's RB) get their scores from FMAs over the
- * packed tile
- * (vectorized over keys), the masks and the online softmax of attention_tile.c (the same
- * function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
+ * packed tile (vectorized over keys), the masks and the online softmax of attention_tile.c
+ * (the same function as the BLAS path: the same mask and NaN semantics), and acc += P V with p_j
  * broadcast against the contiguous rows of V; a block's scores live in a rows x keys L1 buffer.
  * 6 rows x 16 keys = 12 ymm accumulators (no spills on AVX2) against 8 with blocks of 4 rows
  * measured (Zen 1, float32, SDPA, same run, 1 / 2 threads), blocks of 4 -> 6 rows:

@@ -100,7 +100,8 @@ def test_wide_and_edge_tiles(rng, fused, dtype, k_len, mask):
     against the reference, and the same bits on 1 and 3 threads."""
     q = normal(rng, (2, 2, 45, 40), dtype)
     k, v = normal(rng, (2, 2, k_len, 40), dtype), normal(rng, (2, 2, k_len, 40), dtype)
-    kwargs = {"causal": {"is_causal": True}, "window": {"is_causal": True, "window": 50}}.get(mask, {})
+    kwargs = {"causal": {"is_causal": True},
+              "window": {"is_causal": True, "window": 50}}.get(mask, {})
     if mask == "padding":
         keep = np.ones((2, 1, 1, k_len), bool)
         keep[0, ..., k_len // 2:] = False
